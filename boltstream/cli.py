@@ -1,0 +1,71 @@
+"""The ``boltstream`` command.
+
+Each sub-command lives in the module that owns it and is imported only when
+used, so ``boltstream stack up`` never pays for torch and an agent host never
+needs the learner's dependencies. A sub-command module exposes
+``main(argv: list[str]) -> int`` and parses its own arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+from boltstream.errors import BoltstreamError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "stack": ("boltstream.stack_cli", "start, inspect or stop the embedded broker + S3 stack"),
+    "topics": ("boltstream.topics", "create, list or describe the topics"),
+    "tasks": ("boltstream.producers.tasks", "publish a task dataset (JSONL or Parquet) to the tasks topic"),
+    "runner": ("boltstream.producers.runner", "run an agent function on tasks from the tasks topic"),
+    "ingest": ("boltstream.producers.otlp_ingest", "re-emit OTLP spans written by an OpenTelemetry Collector"),
+    "serve": ("boltstream.inference.cli", "OpenAI-compatible inference worker with token capture"),
+    "stream": ("boltstream.streams.cli", "the stream app: spans -> trajectories -> training batches"),
+    "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints"),
+    "train": ("boltstream.train", "train your own agent end to end"),
+    "demo": ("boltstream.demo", "the whole loop on the embedded stack with a real model"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: boltstream <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'boltstream <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(_usage() + "\n")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        sys.stderr.write(f"boltstream: unknown command {name!r}\n\n{_usage()}\n")
+        return 2
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        sys.stderr.write(
+            f"boltstream {name}: a dependency is missing ({exc}). "
+            "Install the matching extra, e.g. pip install 'boltstream[stream,learner,inference]'.\n"
+        )
+        return 2
+    try:
+        return int(module.main(rest) or 0)
+    except BoltstreamError as exc:
+        sys.stderr.write(f"boltstream {name}: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

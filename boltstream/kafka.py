@@ -1,0 +1,206 @@
+"""aiokafka glue shared by every component: one place that turns Settings into client arguments.
+
+Why a module of its own: the broker we default to (Tansu, embedded) differs
+from Kafka/Redpanda in ways every producer and consumer must respect, and
+those differences should be encoded once:
+
+* No ``InitProducerId``: the idempotent producer and transactions fail, so
+  :func:`producer_kwargs` leaves idempotence off unless a caller asks for it
+  (only do that against Redpanda/Kafka).
+* Tansu completes a consumer-group join only after HALF the member's
+  rebalance timeout. aiokafka defaults ``rebalance_timeout_ms`` to the session
+  timeout (10 s -> 5 s per join); :func:`consumer_kwargs` uses 6 s (a join
+  takes ~3 s) with a session timeout that still tolerates a slow event loop.
+* ``ListOffsets(latest)`` on Tansu 0.6 reports the LAST BATCH's base offset
+  + 1, not the last record's offset + 1 (200 records in one batch -> "1").
+  Never use ``end_offsets()``/``highwater()`` to decide "caught up" or lag;
+  use :func:`log_end_offsets`, which reads the last batch to find the true end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaError
+from aiokafka.helpers import create_ssl_context
+
+from boltstream.config import Settings
+from boltstream.errors import BoltstreamError
+
+log = logging.getLogger(__name__)
+
+# Group timings that work on Tansu (join completes after rebalance_timeout/2) and on Kafka.
+REBALANCE_TIMEOUT_MS = 6_000
+SESSION_TIMEOUT_MS = 10_000
+HEARTBEAT_INTERVAL_MS = 2_000
+DEFAULT_LINGER_MS = 5
+
+
+class BrokerUnavailableError(BoltstreamError, TimeoutError):
+    """The broker did not answer a metadata request before the deadline."""
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """SSL context for SSL / SASL_SSL (system CAs unless ``ssl_cafile`` is set); None for plaintext."""
+    if not settings.security_protocol.endswith("SSL"):
+        return None
+    return create_ssl_context(
+        cafile=settings.ssl_cafile,
+        certfile=settings.ssl_certfile,
+        keyfile=settings.ssl_keyfile,
+    )
+
+
+def client_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection and security arguments common to producer, consumer and admin client."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap_servers,
+        "security_protocol": settings.security_protocol,
+    }
+    ctx = ssl_context(settings)
+    if ctx is not None:
+        kwargs["ssl_context"] = ctx
+    if settings.security_protocol.startswith("SASL"):
+        kwargs["sasl_mechanism"] = settings.sasl_mechanism
+        kwargs["sasl_plain_username"] = settings.sasl_username
+        kwargs["sasl_plain_password"] = settings.sasl_password
+    return kwargs
+
+
+def producer_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    """Arguments for ``AIOKafkaProducer``: durable acks, no idempotence (Tansu lacks InitProducerId).
+
+    ``max_request_size`` follows ``settings.max_message_bytes`` so producers
+    fail locally, with a clear error, before the broker would reject a record.
+    Pass ``enable_idempotence=True`` only against Redpanda/Kafka.
+    """
+    kwargs = client_kwargs(settings)
+    kwargs.update(
+        acks="all",
+        linger_ms=DEFAULT_LINGER_MS,
+        max_request_size=settings.max_message_bytes,
+        enable_idempotence=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def consumer_kwargs(settings: Settings, group_id: str | None, **overrides: Any) -> dict[str, Any]:
+    """Arguments for ``AIOKafkaConsumer`` with group timings that work on Tansu.
+
+    Auto-commit is off: components commit after their output is acknowledged
+    (at-least-once). ``auto_offset_reset="earliest"`` because every topic is
+    replayable and a new group should see what is already there. Fetch sizes
+    are raised to at least ``max_message_bytes`` so one maximal record always
+    fits.
+    """
+    kwargs = client_kwargs(settings)
+    fetch = max(settings.max_message_bytes, 1_048_576)
+    kwargs.update(
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        rebalance_timeout_ms=REBALANCE_TIMEOUT_MS,
+        session_timeout_ms=SESSION_TIMEOUT_MS,
+        heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS,
+        max_partition_fetch_bytes=fetch,
+        fetch_max_bytes=max(fetch, 52_428_800),
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def admin_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    """Arguments for ``AIOKafkaAdminClient``."""
+    kwargs = client_kwargs(settings)
+    kwargs.update(overrides)
+    return kwargs
+
+
+async def _tcp_open(host: str, port: int, timeout: float) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return True
+
+
+async def wait_for_broker(settings: Settings, timeout: float = 30.0) -> None:
+    """Block until the broker answers a metadata request, or raise BrokerUnavailableError.
+
+    A TCP probe comes first so a not-yet-listening broker does not make
+    aiokafka log an error per attempt; then a real metadata round trip, since
+    an open port alone does not mean the broker serves requests.
+    """
+    deadline = time.monotonic() + timeout
+    first = settings.bootstrap_servers.split(",")[0].strip()
+    host, _, port = first.rpartition(":")
+    last_error: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BrokerUnavailableError(
+                f"broker at {settings.bootstrap_servers} did not answer within {timeout:.0f}s"
+                + (f" (last error: {last_error})" if last_error else "")
+            )
+        if await _tcp_open(host.strip("[]"), int(port), min(remaining, 2.0)):
+            request_ms = int(max(1.0, min(remaining, 5.0)) * 1000)
+            client = AIOKafkaClient(**client_kwargs(settings), request_timeout_ms=request_ms)
+            try:
+                await client.bootstrap()
+                if client.cluster.brokers():
+                    return
+                last_error = RuntimeError("metadata lists no brokers")
+            except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+                last_error = exc
+            finally:
+                await client.close()
+        await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+async def log_end_offsets(
+    settings: Settings, partitions: Iterable[TopicPartition], timeout: float = 10.0
+) -> dict[TopicPartition, int]:
+    """True log-end offset (last record's offset + 1) per partition, correct on Tansu too.
+
+    Tansu reports the last batch's base offset + 1 as the latest offset, so we
+    seek to that reported offset - 1 and fetch: the broker returns the whole
+    last batch, whose highest offset + 1 is the real end. On Kafka/Redpanda
+    the same read simply confirms what ``end_offsets`` said.
+    """
+    tps = list(partitions)
+    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
+    await consumer.start()
+    try:
+        reported = await consumer.end_offsets(tps)
+        result = {tp: end for tp, end in reported.items()}
+        pending = {tp for tp, end in reported.items() if end > 0}
+        if not pending:
+            return result
+        consumer.assign(list(pending))
+        for tp in pending:
+            consumer.seek(tp, reported[tp] - 1)
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise BrokerUnavailableError(f"could not read the last batch of {sorted(map(str, pending))}")
+            batches = await consumer.getmany(*pending, timeout_ms=500)
+            for tp, records in batches.items():
+                if records:
+                    result[tp] = max(result[tp], records[-1].offset + 1)
+                    pending.discard(tp)
+        return result
+    finally:
+        await consumer.stop()

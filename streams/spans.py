@@ -1,0 +1,273 @@
+"""Read-only helpers over Span records (plain dicts shaped like ``schemas/span/v1.avsc``).
+
+Why this module exists: spans come from many producers (our inference worker and
+runner, OpenTelemetry GenAI semantic conventions, OpenInference, OpenLLMetry,
+AutoGen, LangGraph ...), each naming the same facts differently. Everything that
+depends on *which* attribute a framework writes lives here, so assembly, AIR and
+credit assignment reason about "an LLM call", "a tool span" or "the agent" only.
+
+Attribute values are Avro union values as fastavro reads them: a scalar, or for
+arrays a one-key dict (``{"longs": [...]}``, ``{"strings": [...]}``, ...).
+:func:`attr` unwraps those to plain lists.
+
+Agent names (for ``agent_match``) are read from the span itself, first match wins:
+
+1. ``boltstream.agent_name`` - our own, set by the runner / ``rollout`` context.
+2. ``gen_ai.agent.name`` - OTel GenAI conventions; written by AutoGen/AG2 on
+   ``invoke_agent``/``create_agent`` spans, by the OTel OpenAI Agents SDK
+   instrumentation and Microsoft Agent Framework.
+3. ``agent.name`` - OpenInference semantic conventions (also AgentOps' OpenAI
+   Agents SDK instrumentation, which Agent Lightning reads).
+4. ``graph.node.id`` on an OpenInference ``AGENT`` span - the OpenInference
+   OpenAI Agents SDK processor stores the agent's name there.
+5. ``recipient_agent_type`` on AutoGen core runtime message-processing spans
+   (``messaging.operation`` = ``process``).
+6. LangGraph node / LangChain agent: ``lc_agent_name`` then ``langgraph_node``
+   from the OpenInference ``metadata`` JSON string, from LangSmith's OTel
+   export (``langsmith.metadata.*``) or OpenLLMetry
+   (``traceloop.association.properties.*``); then a plain ``langgraph.node``.
+
+A span without its own name inherits the nearest ancestor's
+(:func:`inherited_agent_names`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Span = Mapping[str, Any]
+
+ROLLOUT_SPAN_NAME = "boltstream.rollout"
+REWARD_SPAN_NAME = "boltstream.reward"
+
+ATTR_ROLLOUT_ID = "boltstream.rollout_id"
+ATTR_ATTEMPT_ID = "boltstream.attempt_id"
+ATTR_TASK_ID = "boltstream.task_id"
+ATTR_STATUS = "boltstream.status"
+ATTR_ERROR = "boltstream.error"
+ATTR_AGENT_NAME = "boltstream.agent_name"
+ATTR_REWARD_NAME = "boltstream.reward.name"
+ATTR_REWARD_VALUE = "boltstream.reward.value"
+ATTR_REWARD_FINAL = "boltstream.reward.final"
+ATTR_REWARD_PRIMARY = "boltstream.reward.primary"
+
+_ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
+_LLM_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+_LEGACY_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
+_AGENT_METADATA_KEYS = ("lc_agent_name", "langgraph_node")
+_METADATA_PREFIXES = ("langsmith.metadata.", "traceloop.association.properties.")
+
+
+def unwrap(value: Any) -> Any:
+    """Turn an Avro attribute union value into a plain Python value.
+
+    Array attributes arrive as ``{"longs": [...]}`` etc.; everything else is
+    already a scalar (or None).
+    """
+    if isinstance(value, Mapping) and len(value) == 1:
+        key = next(iter(value))
+        if key in _ARRAY_KEYS:
+            return list(value[key])
+    return value
+
+
+def attr(span: Span, key: str, default: Any = None) -> Any:
+    """One attribute of ``span``, unwrapped; ``default`` when absent or null."""
+    attributes = span.get("attributes") or {}
+    value = attributes.get(key)
+    if value is None:
+        return default
+    return unwrap(value)
+
+
+def attributes(span: Span) -> dict[str, Any]:
+    """All attributes of ``span`` as a new dict of plain values."""
+    return {k: unwrap(v) for k, v in (span.get("attributes") or {}).items()}
+
+
+def status_code(span: Span) -> str:
+    """``UNSET`` | ``OK`` | ``ERROR`` (upper-cased; UNSET when missing)."""
+    status = span.get("status") or {}
+    return str(status.get("code") or "UNSET").upper()
+
+
+def status_message(span: Span) -> str | None:
+    """The span status description, if any."""
+    status = span.get("status") or {}
+    return status.get("message")
+
+
+def _str_attr(span: Span, key: str) -> str | None:
+    value = attr(span, key)
+    if isinstance(value, str) and value.strip():
+        return value
+    return None
+
+
+def openinference_kind(span: Span) -> str | None:
+    """The OpenInference span kind upper-cased (``LLM``, ``TOOL``, ``AGENT``, ...)."""
+    kind = _str_attr(span, "openinference.span.kind")
+    return kind.upper() if kind else None
+
+
+def is_llm_span(span: Span) -> bool:
+    """True for an LLM call, recorded by us or described by a tracing convention.
+
+    Ours carry the typed ``llm`` block; others are recognised by GenAI
+    ``gen_ai.operation.name``, OpenInference kind ``LLM`` or OpenLLMetry's legacy
+    ``llm.request.type``. Whether token ids were recorded is a separate question
+    (:func:`has_token_ids`).
+    """
+    if span.get("llm") is not None:
+        return True
+    operation = _str_attr(span, "gen_ai.operation.name")
+    if operation is not None and operation.lower() in _LLM_OPERATIONS:
+        return True
+    if openinference_kind(span) == "LLM":
+        return True
+    request_type = _str_attr(span, "llm.request.type")
+    return request_type is not None and request_type.lower() in _LEGACY_LLM_REQUEST_TYPES
+
+
+def has_token_ids(span: Span) -> bool:
+    """True when the span's ``llm`` block holds both prompt and response token ids."""
+    llm = span.get("llm")
+    return bool(llm) and bool(llm.get("prompt_token_ids")) and bool(llm.get("response_token_ids"))
+
+
+def is_tool_span(span: Span) -> bool:
+    """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry ``tool``)."""
+    if is_llm_span(span):
+        return False
+    operation = _str_attr(span, "gen_ai.operation.name")
+    if operation is not None and operation.lower() == "execute_tool":
+        return True
+    if openinference_kind(span) == "TOOL":
+        return True
+    traceloop_kind = _str_attr(span, "traceloop.span.kind")
+    return traceloop_kind is not None and traceloop_kind.lower() == "tool"
+
+
+def is_reward_span(span: Span) -> bool:
+    """True for a reward written by ``boltstream.emit_reward`` or the runner."""
+    return span.get("name") == REWARD_SPAN_NAME
+
+
+def is_rollout_root(span: Span) -> bool:
+    """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
+    return span.get("name") == ROLLOUT_SPAN_NAME
+
+
+@dataclass(frozen=True)
+class RewardInfo:
+    """What a reward span says: name, value, final-vs-intermediate, primary flag."""
+
+    name: str
+    value: float
+    final: bool
+    primary: bool
+    span_id: str
+    time_ns: int
+
+
+def reward_of(span: Span) -> RewardInfo | None:
+    """The reward a reward span carries; None when it is not one or has no numeric value."""
+    if not is_reward_span(span):
+        return None
+    value = attr(span, ATTR_REWARD_VALUE)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        logger.warning("reward span %s has no numeric %s: %r", span.get("span_id"), ATTR_REWARD_VALUE, value)
+        return None
+    return RewardInfo(
+        name=_str_attr(span, ATTR_REWARD_NAME) or "reward",
+        value=float(value),
+        final=bool(attr(span, ATTR_REWARD_FINAL, False)),
+        primary=bool(attr(span, ATTR_REWARD_PRIMARY, False)),
+        span_id=str(span.get("span_id")),
+        time_ns=int(span.get("start_time_ns") or 0),
+    )
+
+
+def span_ids(span: Span) -> tuple[str | None, str | None, str | None]:
+    """(rollout_id, attempt_id, task_id): ``boltstream.*`` attributes first, then promoted fields."""
+    return (
+        _str_attr(span, ATTR_ROLLOUT_ID) or span.get("rollout_id"),
+        _str_attr(span, ATTR_ATTEMPT_ID) or span.get("attempt_id"),
+        _str_attr(span, ATTR_TASK_ID) or span.get("task_id"),
+    )
+
+
+def _from_metadata_json(span: Span) -> str | None:
+    raw = attr(span, "metadata")
+    if not isinstance(raw, str) or "lang" not in raw:
+        return None
+    try:
+        metadata = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(metadata, Mapping):
+        return None
+    for key in _AGENT_METADATA_KEYS:
+        value = metadata.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
+
+
+def own_agent_name(span: Span) -> str | None:
+    """The agent name this span itself carries (see module docstring for the order), or None."""
+    for key in (ATTR_AGENT_NAME, "gen_ai.agent.name", "agent.name"):
+        name = _str_attr(span, key)
+        if name:
+            return name
+    if openinference_kind(span) == "AGENT":
+        name = _str_attr(span, "graph.node.id")
+        if name:
+            return name
+    name = _str_attr(span, "recipient_agent_type")
+    if name and (attr(span, "messaging.operation") in (None, "process")):
+        return name
+    name = _from_metadata_json(span)
+    if name:
+        return name
+    for key in _AGENT_METADATA_KEYS:
+        for prefix in _METADATA_PREFIXES:
+            name = _str_attr(span, prefix + key)
+            if name:
+                return name
+    return _str_attr(span, "langgraph.node")
+
+
+def inherited_agent_names(
+    spans_by_id: Mapping[str, Span], parent_of: Mapping[str, str | None]
+) -> dict[str, str | None]:
+    """Agent name of every span: its own, else the nearest ancestor's that names one.
+
+    ``parent_of`` is the (possibly repaired) tree; ids it maps to that are not in
+    ``spans_by_id`` (a virtual root) end the walk. Memoised, so linear in spans.
+    """
+    resolved: dict[str, str | None] = {}
+    for start in spans_by_id:
+        chain: list[str] = []
+        seen: set[str] = set()
+        current: str | None = start
+        name: str | None = None
+        while current is not None and current in spans_by_id and current not in seen:
+            if current in resolved:
+                name = resolved[current]
+                break
+            seen.add(current)
+            chain.append(current)
+            name = own_agent_name(spans_by_id[current])
+            if name is not None:
+                break
+            current = parent_of.get(current)
+        for span_id in chain:
+            resolved[span_id] = name
+    return resolved
