@@ -158,6 +158,9 @@ def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], 
     prefix = getattr(cls, "env_prefix", ENV_PREFIX)
     from_state = getattr(cls, "from_state", ())
     kwargs: dict[str, Any] = {}
+    # Where each field's value came from, so a validation error names what the user must change
+    # (the env var, the state file entry, or the explicit argument) rather than the field.
+    sources: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
@@ -167,18 +170,24 @@ def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], 
             kwargs[f.name] = nested if nested is not None else _resolve(typ, explicit, env, state, state_path)
             continue
         var = f"{prefix}{f.name.upper()}"
+        sources[f.name] = var  # a default that fails validation is fixed by setting the env var
         if f.name in explicit:
+            sources[f.name] = f.name
             kwargs[f.name] = _coerce(f.name, explicit[f.name], typ, f.name)
         elif var in env:
             kwargs[f.name] = _coerce(f.name, env[var], typ, var)
         elif f.name == "state_file":
             kwargs[f.name] = state_path
         elif f.name in from_state and f.name in state:
-            kwargs[f.name] = _coerce(f.name, state[f.name], typ, f"{state_path}:{f.name}")
+            sources[f.name] = f"{state_path}:{f.name}"
+            kwargs[f.name] = _coerce(f.name, state[f.name], typ, sources[f.name])
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
+    except ConfigError as exc:
+        source = sources.get(exc.name)
+        if source is None or source == exc.name:
+            raise
+        raise ConfigError(source, exc.value, exc.reason) from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(cls.__name__, kwargs, str(exc)) from exc
 

@@ -179,7 +179,9 @@ def linear_token_logprobs(
     for engines whose behaviour log-probs are reported after temperature scaling.
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be [N, H] and labels [N]; got {tuple(hidden.shape)}, {tuple(labels.shape)}")
+        raise ValueError(
+            f"hidden must be [N, H] and labels [N]; got {tuple(hidden.shape)}, {tuple(labels.shape)}"
+        )
     logp, entropy = _LinearLogprobs.apply(
         hidden, weight, bias, labels, int(chunk_size), float(temperature), bool(with_entropy)
     )
@@ -376,7 +378,9 @@ def ppo_clip_loss(
 
     with torch.no_grad():
         # clipped = the clipped branch was selected, i.e. this token gives no gradient
-        clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
+        clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | (
+            (advantages < 0) & (ratio < 1.0 - clip_low)
+        )
         # approx KL(behaviour || current), k3 on the log-ratio against the behaviour policy
         lr_b = torch.where(mask_b, logprobs.detach() - behaviour, torch.zeros_like(logprobs))
         metrics = LossMetrics(

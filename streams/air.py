@@ -173,8 +173,8 @@ class AirRule:
 
     ``when`` is a built-in matcher name (see ``BUILTIN_MATCHERS``) or a callable
     ``(span) -> bool | float | None``. ``value`` is the reward when the matcher
-    returns True; a float returned by the matcher overrides it (``reward_span``
-    returns the span's own value). ``span_name`` is an optional regex (``re.search``)
+    returns True (required for built-ins except ``reward_span``); a float returned
+    by the matcher overrides it (``reward_span`` returns the span's own value). ``span_name`` is an optional regex (``re.search``)
     the span name must match.
     """
 
@@ -201,8 +201,8 @@ class AirRule:
         if self.value is not None:
             if isinstance(self.value, bool) or not isinstance(self.value, int | float) or not math.isfinite(self.value):
                 raise ValueError(f"air rule {self.name!r} value: must be a finite number, got {self.value!r}")
-        elif self.when != "reward_span":
-            raise ValueError(f"air rule {self.name!r} value: required unless when is 'reward_span'")
+        elif isinstance(self.when, str) and self.when != "reward_span":
+            raise ValueError(f"air rule {self.name!r} value: required for matcher {self.when!r}")
         if self.span_name is not None:
             try:
                 object.__setattr__(self, "_pattern", re.compile(self.span_name))
@@ -222,7 +222,10 @@ class AirRule:
         if outcome is None or outcome is False:
             return None
         if outcome is True:
-            return None if self.value is None else float(self.value)
+            if self.value is None:
+                logger.warning("air rule %s matched span %s but has no value; ignored", self.name, span.get("span_id"))
+                return None
+            return float(self.value)
         if isinstance(outcome, int | float) and math.isfinite(outcome):
             return float(outcome)
         logger.warning("air rule %s returned %r for span %s; ignored", self.name, outcome, span.get("span_id"))

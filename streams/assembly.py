@@ -123,9 +123,8 @@ def dedupe_spans(spans: Iterable[Span]) -> tuple[dict[str, Span], int]:
 
 
 def _contains(outer: Span, inner: Span) -> bool:
-    return outer.get("start_time_ns", 0) <= inner.get("start_time_ns", 0) and outer.get(
-        "end_time_ns", 0
-    ) >= inner.get("end_time_ns", 0)
+    start, end = inner.get("start_time_ns", 0), inner.get("end_time_ns", 0)
+    return outer.get("start_time_ns", 0) <= start and outer.get("end_time_ns", 0) >= end
 
 
 def _is_descendant(candidate: str, ancestor: str, parent_of: Mapping[str, str | None]) -> bool:
@@ -280,7 +279,7 @@ def assemble_trajectory_with_stats(
     status: str | None = None,
     error: str | None = None,
 ) -> tuple[Trajectory, AssemblyStats]:
-    """Like :func:`assemble_trajectory`, also returning the counters."""
+    """Like :func:`assemble_trajectory` (same arguments), also returning the counters."""
     config = config or AssemblyConfig()
     spans = list(spans)
     if attempt_id is not None:
@@ -289,10 +288,8 @@ def assemble_trajectory_with_stats(
     stats = AssemblyStats(
         spans=len(tree.spans), duplicate_spans=tree.duplicate_spans, reparented_llm_spans=len(tree.reparented)
     )
-    roots = sorted(
-        (s for s in tree.spans.values() if is_rollout_root(s)), key=lambda s: (s.get("start_time_ns", 0), s["span_id"])
-    )
-    root = roots[0] if roots else None
+    roots = [s for s in tree.spans.values() if is_rollout_root(s)]
+    root = min(roots, key=lambda s: (s.get("start_time_ns", 0), s["span_id"])) if roots else None
     rid, aid, tid = _resolve_ids(tree, root, rollout_id, attempt_id, task_id)
 
     llm_ids = [sid for sid, s in tree.spans.items() if is_llm_span(s)]
@@ -390,32 +387,16 @@ def assemble_trajectory_with_stats(
     return trajectory, stats
 
 
-def assemble_trajectory(
-    spans: Iterable[Span],
-    config: AssemblyConfig | None = None,
-    *,
-    rollout_id: str | None = None,
-    attempt_id: str | None = None,
-    task_id: str | None = None,
-    status: str | None = None,
-    error: str | None = None,
-) -> Trajectory:
+def assemble_trajectory(spans: Iterable[Span], config: AssemblyConfig | None = None, **overrides: str | None) -> Trajectory:
     """Spans of one rollout attempt -> a Trajectory dict.
 
-    Ids default to the ``boltstream.rollout`` span's, then to the most common
-    promoted ids; ``attempt_id`` given explicitly also drops spans stamped with a
-    different attempt. ``status``/``error`` override the root's (the stream app
-    passes ``status="abandoned"`` when it closes a rollout whose root never came;
-    without a root span and without ``status`` the status is "abandoned").
-    Raises :class:`AssemblyError` when no rollout or task id can be found.
+    ``overrides`` (keyword-only, all optional): ``rollout_id``, ``attempt_id``,
+    ``task_id``, ``status``, ``error``. Ids default to the ``boltstream.rollout``
+    span's, then to the most common promoted ids; ``attempt_id`` given explicitly
+    also drops spans stamped with a different attempt. ``status``/``error``
+    override the root's (the stream app passes ``status="abandoned"`` when it
+    closes a rollout whose root never came; without a root span and without
+    ``status`` the status is "abandoned"). Raises :class:`AssemblyError` when no
+    rollout or task id can be found.
     """
-    trajectory, _ = assemble_trajectory_with_stats(
-        spans,
-        config,
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        task_id=task_id,
-        status=status,
-        error=error,
-    )
-    return trajectory
+    return assemble_trajectory_with_stats(spans, config, **overrides)[0]

@@ -52,13 +52,14 @@ ATTR_TASK_ID = "boltstream.task_id"
 ATTR_STATUS = "boltstream.status"
 ATTR_ERROR = "boltstream.error"
 ATTR_AGENT_NAME = "boltstream.agent_name"
+ATTR_SPAN_KIND = "boltstream.span.kind"
 ATTR_REWARD_NAME = "boltstream.reward.name"
 ATTR_REWARD_VALUE = "boltstream.reward.value"
 ATTR_REWARD_FINAL = "boltstream.reward.final"
 ATTR_REWARD_PRIMARY = "boltstream.reward.primary"
 
 _ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
-_LLM_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+_LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content", "responses"})
 _LEGACY_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
 _AGENT_METADATA_KEYS = ("lc_agent_name", "langgraph_node")
 _METADATA_PREFIXES = ("langsmith.metadata.", "traceloop.association.properties.")
@@ -124,7 +125,7 @@ def is_llm_span(span: Span) -> bool:
     ``llm.request.type``. Whether token ids were recorded is a separate question
     (:func:`has_token_ids`).
     """
-    if span.get("llm") is not None:
+    if span.get("llm") is not None or _str_attr(span, ATTR_SPAN_KIND) == "llm":
         return True
     operation = _str_attr(span, "gen_ai.operation.name")
     if operation is not None and operation.lower() in _LLM_OPERATIONS:
@@ -145,6 +146,8 @@ def is_tool_span(span: Span) -> bool:
     """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry ``tool``)."""
     if is_llm_span(span):
         return False
+    if _str_attr(span, ATTR_SPAN_KIND) == "tool":
+        return True
     operation = _str_attr(span, "gen_ai.operation.name")
     if operation is not None and operation.lower() == "execute_tool":
         return True
@@ -155,8 +158,9 @@ def is_tool_span(span: Span) -> bool:
 
 
 def is_reward_span(span: Span) -> bool:
-    """True for a reward written by ``boltstream.emit_reward`` or the runner."""
-    return span.get("name") == REWARD_SPAN_NAME
+    """True for a reward span: ``boltstream.reward`` (``emit_reward``, the runner) or one the
+    producers' normaliser recognised (``boltstream.span.kind`` = ``reward``, e.g. Agent Lightning's)."""
+    return span.get("name") == REWARD_SPAN_NAME or _str_attr(span, ATTR_SPAN_KIND) == "reward"
 
 
 def is_rollout_root(span: Span) -> bool:
@@ -177,18 +181,23 @@ class RewardInfo:
 
 
 def reward_of(span: Span) -> RewardInfo | None:
-    """The reward a reward span carries; None when it is not one or has no numeric value."""
+    """The reward a reward span carries; None when it is not one or has no numeric value.
+
+    ``boltstream.reward.final`` absent: a primary reward is final (the normaliser
+    marks Agent Lightning's rewards primary), anything else intermediate.
+    """
     if not is_reward_span(span):
         return None
     value = attr(span, ATTR_REWARD_VALUE)
     if isinstance(value, bool) or not isinstance(value, int | float):
         logger.warning("reward span %s has no numeric %s: %r", span.get("span_id"), ATTR_REWARD_VALUE, value)
         return None
+    primary = bool(attr(span, ATTR_REWARD_PRIMARY, False))
     return RewardInfo(
         name=_str_attr(span, ATTR_REWARD_NAME) or "reward",
         value=float(value),
-        final=bool(attr(span, ATTR_REWARD_FINAL, False)),
-        primary=bool(attr(span, ATTR_REWARD_PRIMARY, False)),
+        final=bool(attr(span, ATTR_REWARD_FINAL, primary)),
+        primary=primary,
         span_id=str(span.get("span_id")),
         time_ns=int(span.get("start_time_ns") or 0),
     )

@@ -45,7 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from boltstream import stack as stack_mod
 
     state_file = tmp_path_factory.mktemp("stack") / "stack.json"
-    state = stack_mod.start_stack(state_file=state_file)
+    state = stack_mod.start_stack(state_file=state_file, die_with_parent=True)
     try:
         yield state
     finally:

@@ -1,0 +1,256 @@
+"""KafkaSpanExporter: overhead on the agent's thread and export throughput, against stock exporters, same run.
+
+    .venv/bin/python benchmarks/bench_exporter.py [--spans 40000] [--repeats 3]
+
+1. Agent-thread overhead. The agent's loop starts and ends spans (a realistic
+   mix: a rollout root, tool calls, OpenInference-style LLM calls), and we time
+   ``span.end()`` (where processors run, median) and the agent's whole
+   start+end work, per span, for: no processor (the floor),
+   ``BatchSpanProcessor(KafkaSpanExporter)`` + ``RolloutSpanProcessor`` (what
+   boltstream installs), ``BatchSpanProcessor(OTLPSpanExporter)`` to a local
+   HTTP sink, and ``ConsoleSpanExporter`` to /dev/null. "Added" =
+   configuration minus the floor. "paced": the agent thinks 2 ms between
+   rollouts (an LLM call takes far longer), so exporters work while it waits;
+   "saturated": spans back to back, so the exporter thread's CPU (the GIL)
+   lands on the agent: an upper bound, reported too.
+2. Throughput. The same mix, already finished, fed to each exporter's
+   ``export()`` in batches of 512 (what ``BatchSpanProcessor`` does) until every
+   span is acknowledged: by the broker (boltstream, on its own embedded stack),
+   by the HTTP sink (OTLP/HTTP), or written (console). Also for small plain spans
+   (ids + 3 attributes), where per-span fixed costs dominate.
+
+Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s.
+Medians over ``--repeats``. JSON goes to benchmarks/results/exporter.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+from boltstream.producers.tracing import install_rollout_processor
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import boltstream
+from boltstream.stack import embedded_stack, free_port
+
+RESULTS = Path(__file__).parent / "results"
+BATCH = 512
+SINK = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = None, pause: float = 0.0) -> float:
+    """n spans in the shape of an agent's: per rollout 1 root, 2 tool calls, 2 LLM calls.
+
+    Returns the agent thread's own seconds per span; ``pause`` (the agent's think
+    time: LLM latency, tools) is spent between rollouts and not counted.
+    """
+    tracer = tp.get_tracer("bench.agent")
+    made = 0
+    busy = 0.0
+    r = 0
+    while made < n:
+        if pause:
+            time.sleep(pause)  # the agent waiting on its LLM: the exporter thread gets the CPU meanwhile
+        started = time.perf_counter()
+        with boltstream.rollout(f"task-{r}", 0, tracer_provider=tp):
+            for k in range(4):
+                if k % 2 == 0:
+                    attrs = {"openinference.span.kind": "TOOL", "tool.name": "calculator",
+                             "input.value": f"{r} * {k} + 7", "output.value": str(r * k + 7)}
+                    name = "tool"
+                else:
+                    attrs = {"openinference.span.kind": "LLM", "llm.model_name": "qwen2.5-0.5b",
+                             "llm.invocation_parameters": '{"temperature": 0.7, "max_tokens": 256}',
+                             "llm.input_messages.0.message.role": "system",
+                             "llm.input_messages.0.message.content": "You are a careful calculator agent.",
+                             "llm.input_messages.1.message.role": "user",
+                             "llm.input_messages.1.message.content": f"What is {r} * {k} + 7? Use the tool.",
+                             "llm.output_messages.0.message.role": "assistant",
+                             "llm.output_messages.0.message.content": f"The answer is {r * k + 7}.",
+                             "llm.token_count.prompt": 48, "llm.token_count.completion": 9,
+                             "llm.token_count.total": 57}
+                    name = "ChatCompletion"
+                span = tracer.start_span(name, attributes=attrs)
+                t0 = time.perf_counter()
+                span.end()
+                if timings is not None:
+                    timings.append(time.perf_counter() - t0)
+        busy += time.perf_counter() - started
+        made += 5
+        r += 1
+    return busy / made
+
+
+def overhead(make: Callable[[], tuple[TracerProvider, Callable[[], None]]], n: int,
+             pause: float) -> dict[str, float]:
+    tp, close = make()
+    agent_workload(tp, 1000, pause=pause)  # warm up caches, the exporter's connection, lazy imports
+    timings: list[float] = []
+    per_span = agent_workload(tp, n, timings, pause=pause)
+    close()
+    return {"span_end_us": statistics.median(timings) * 1e6, "start_end_us": per_span * 1e6}
+
+
+def finished_spans(n: int, small: bool = False) -> list[ReadableSpan]:
+    """The agent mix, or ``small`` plain spans (ids + 3 attributes, no GenAI content)."""
+    mem = InMemorySpanExporter()
+    tp = TracerProvider()
+    install_rollout_processor(tp)
+    tp.add_span_processor(SimpleSpanProcessor(mem))
+    if not small:
+        agent_workload(tp, n)
+    else:
+        tracer = tp.get_tracer("bench.small")
+        with boltstream.rollout("small", tracer_provider=tp):
+            for i in range(n - 1):
+                tracer.start_span("step", attributes={"i": i, "ok": True, "note": "plain"}).end()
+    return list(mem.get_finished_spans())
+
+
+def throughput(export: Callable[[list[ReadableSpan]], Any], flush: Callable[[], bool],
+               spans: list[ReadableSpan]) -> float:
+    gc.collect()
+    started = time.perf_counter()
+    for i in range(0, len(spans), BATCH):
+        export(spans[i:i + BATCH])
+    assert flush(), "not every span was acknowledged"
+    return len(spans) / (time.perf_counter() - started)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spans", type=int, default=40_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paced-spans", type=int, default=5_000, help="spans per run with agent think time")
+    ap.add_argument("--pause-ms", type=float, default=2.0, help="agent think time between rollouts (5 spans)")
+    args = ap.parse_args()
+    port = free_port()
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.DEVNULL)
+    devnull = open(os.devnull, "w")
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp, embedded_stack(tmp, partitions=4) as settings:
+            otlp_url = f"http://127.0.0.1:{port}/v1/traces"
+
+            def kafka_cfg() -> tuple[TracerProvider, Callable[[], None]]:
+                exp = KafkaSpanExporter(ExporterConfig(settings=settings, install_rollout_processor=False))
+                tp = TracerProvider()
+                install_rollout_processor(tp)
+                tp.add_span_processor(BatchSpanProcessor(exp))
+                return tp, tp.shutdown
+
+            def otlp_cfg() -> tuple[TracerProvider, Callable[[], None]]:
+                tp = TracerProvider()
+                tp.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
+                return tp, tp.shutdown
+
+            def console_cfg() -> tuple[TracerProvider, Callable[[], None]]:
+                tp = TracerProvider()
+                tp.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=devnull)))
+                return tp, tp.shutdown
+
+            def floor_cfg() -> tuple[TracerProvider, Callable[[], None]]:
+                tp = TracerProvider()
+                return tp, tp.shutdown
+
+            configs = {"none": floor_cfg, "boltstream": kafka_cfg, "otlp_http": otlp_cfg, "console": console_cfg}
+            for mode, pause, n in (("paced", args.pause_ms / 1000, args.paced_spans),
+                                   ("saturated", 0.0, min(args.spans, 20_000))):
+                runs: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
+                for _ in range(args.repeats):
+                    for name, make in configs.items():
+                        runs[name].append(overhead(make, n, pause))
+                agent: dict[str, dict[str, float]] = {}
+                for name, rs in runs.items():
+                    agent[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                for name in ("boltstream", "otlp_http", "console"):
+                    agent[name]["added_span_end_us"] = agent[name]["span_end_us"] - agent["none"]["span_end_us"]
+                    agent[name]["added_start_end_us"] = agent[name]["start_end_us"] - agent["none"]["start_end_us"]
+                results[f"agent_thread_{mode}"] = agent
+
+            for label, small in (("", False), ("_small_spans", True)):
+                spans = finished_spans(args.spans, small)
+                rates: dict[str, list[float]] = {"boltstream": [], "otlp_http": [], "console": []}
+                for _ in range(args.repeats):
+                    kx = KafkaSpanExporter(ExporterConfig(settings=settings, install_rollout_processor=False))
+                    kx.export(spans[:BATCH])
+                    kx.force_flush(30_000)  # connected and warm
+                    rates["boltstream"].append(throughput(kx.export, lambda kx=kx: kx.force_flush(120_000), spans))
+                    kx.shutdown()
+                    ox = OTLPSpanExporter(endpoint=otlp_url)
+                    rates["otlp_http"].append(throughput(ox.export, lambda: True, spans))
+                    ox.shutdown()
+                    cx = ConsoleSpanExporter(out=io.StringIO())
+                    rates["console"].append(throughput(cx.export, lambda: True, spans))
+                results[f"throughput{label}_spans_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+                results[f"throughput{label}_runs"] = rates
+                del spans
+    finally:
+        sink.terminate()
+        sink.wait(timeout=10)
+        devnull.close()
+
+    a, t = results["agent_thread_paced"], results["throughput_spans_per_s"]
+    sat = results["agent_thread_saturated"]
+    results["ratios"] = {
+        "added_span_end_us_vs_otlp_http": a["boltstream"]["added_span_end_us"] / max(a["otlp_http"]["added_span_end_us"], 1e-9),
+        "throughput_vs_otlp_http": t["boltstream"] / t["otlp_http"],
+        "throughput_vs_console": t["boltstream"] / t["console"],
+        "small_throughput_vs_otlp_http": results["throughput_small_spans_spans_per_s"]["boltstream"]
+        / results["throughput_small_spans_spans_per_s"]["otlp_http"],
+    }
+    results["goals"] = {
+        "added_us_at_span_end_lt_20": a["boltstream"]["added_span_end_us"] < 20,
+        "added_us_start_end_paced_lt_20": a["boltstream"]["added_start_end_us"] < 20,
+        "spans_per_s_ge_20000": t["boltstream"] >= 20_000,
+        "small_spans_per_s_ge_20000": results["throughput_small_spans_spans_per_s"]["boltstream"] >= 20_000,
+    }
+    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    results["params"] = {"spans": args.spans, "repeats": args.repeats, "batch": BATCH,
+                         "mix": "per rollout: 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs)"}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "exporter.json").write_text(json.dumps(results, indent=2))
+
+    print(f"{'exporter':<12}{'span.end() µs':>14}{'added':>8}{'start+end µs':>14}{'added':>8}"
+          f"{'saturated +µs':>15}{'spans/s':>10}")
+    for name in ("none", "boltstream", "otlp_http", "console"):
+        row = a[name]
+        print(f"{name:<12}{row['span_end_us']:>14.1f}{row.get('added_span_end_us', 0):>8.1f}"
+              f"{row['start_end_us']:>14.1f}{row.get('added_start_end_us', 0):>8.1f}"
+              f"{sat[name].get('added_start_end_us', 0):>15.1f}{t.get(name, float('nan')):>10.0f}")
+    ts = results["throughput_small_spans_spans_per_s"]
+    print(f"small plain spans: boltstream {ts['boltstream']:.0f}/s, otlp_http {ts['otlp_http']:.0f}/s, "
+          f"console {ts['console']:.0f}/s")
+    print(f"throughput boltstream/otlp_http = {results['ratios']['throughput_vs_otlp_http']:.2f}x, "
+          f"boltstream/console = {results['ratios']['throughput_vs_console']:.2f}x")
+    print(f"goals: {results['goals']}  -> {RESULTS / 'exporter.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

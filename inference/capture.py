@@ -1,0 +1,221 @@
+"""Token capture: every completion becomes an LLM span on the ``spans`` topic BEFORE the client sees it.
+
+Why before: the stream app assembles a rollout when its root span arrives.
+Spans are keyed by rollout id, so they share a partition; if the worker's LLM
+span is acknowledged by the broker before the agent gets its answer, it is
+necessarily earlier in the log than the root span the agent ends later. That
+is the completeness rule of the design; it costs one broker round trip per
+response (the producer lingers at most a few ms).
+
+Rollout ids come from the request (``X-Boltstream-*`` headers, W3C baggage,
+or a ``/rollout/<rollout>/<attempt>/<task>/v1`` base URL); requests without
+them are still traced, keyed by their trace id ("unassigned").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_ID, ATTEMPT_ID, TASK_ID = "boltstream.rollout_id", "boltstream.attempt_id", "boltstream.task_id"
+SCOPE = "boltstream.inference"
+MAX_TEXT_ATTR = 32 * 1024  # message texts are for humans (Console); token ids are the training record
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+@dataclass
+class CallContext:
+    """Who asked: rollout ids, the caller's trace context, and when the request arrived."""
+
+    ids: dict[str, str] = field(default_factory=dict)
+    trace_id: str = ""
+    parent_span_id: str | None = None
+    start_ns: int = 0
+
+    @classmethod
+    def from_request(cls, headers: Mapping[str, str], path_ids: Mapping[str, str] | None) -> CallContext:
+        """Ids from the base URL win over headers (an explicit per-client setting); then baggage."""
+        from boltstream.producers.headers import ids_from_headers
+
+        ids = {k: v for k, v in ids_from_headers(headers).items() if v and v not in ("-", "~")}
+        ids.update({k: v for k, v in (path_ids or {}).items() if v and v not in ("-", "~")})
+        trace_id, parent = secrets.token_hex(16), None
+        m = _TRACEPARENT.match((headers.get("traceparent") or "").strip().lower())
+        if m and m.group(1) != "0" * 32 and m.group(2) != "0" * 16:
+            trace_id, parent = m.group(1), m.group(2)
+        return cls(ids, trace_id, parent, time.time_ns())
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_ATTR else text[:MAX_TEXT_ATTR] + "…[truncated]"
+
+
+def default_resource(model_name: str) -> dict[str, Any]:
+    return {"service.name": "boltstream-inference", "host.name": socket.gethostname(),
+            "process.pid": os.getpid(), "boltstream.model": model_name}
+
+
+def build_llm_span(
+    ctx: CallContext,
+    *,
+    operation: str,
+    request_model: str,
+    served_model: str,
+    response_id: str,
+    prompt_ids: list[int],
+    completion: Completion,
+    choice_index: int,
+    params: SamplingParams,
+    policy_version: int,
+    input_messages: Any = None,
+    output_text: str | None = None,
+    end_ns: int | None = None,
+    resource: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": "boltstream",
+        "gen_ai.system": "boltstream",
+        "gen_ai.request.model": request_model,
+        "gen_ai.response.model": served_model,
+        "gen_ai.response.id": response_id,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.choice.count": params.n,
+        "gen_ai.usage.input_tokens": len(prompt_ids),
+        "gen_ai.usage.output_tokens": len(completion.token_ids),
+        "gen_ai.response.finish_reasons": {"strings": [completion.finish_reason]},
+        "boltstream.policy_version": policy_version,
+        "boltstream.choice_index": choice_index,
+        "boltstream.logprobs_mode": LOGPROBS_MODE,
+        "boltstream.assigned": ROLLOUT_ID in ctx.ids,
+    }
+    if params.seed is not None:
+        attrs["gen_ai.request.seed"] = params.seed
+    if params.stop:
+        attrs["gen_ai.request.stop_sequences"] = {"strings": list(params.stop)}
+    if completion.stop_string is not None:
+        attrs["boltstream.stop_string"] = completion.stop_string
+    attrs.update(ctx.ids)
+    if input_messages is not None:
+        attrs["gen_ai.input.messages"] = _clip(json.dumps(input_messages, ensure_ascii=False, default=str))
+    if output_text is not None:
+        attrs["gen_ai.output.messages"] = _clip(json.dumps(
+            [{"role": "assistant", "content": output_text, "finish_reason": completion.finish_reason}],
+            ensure_ascii=False))
+    return {
+        "trace_id": ctx.trace_id,
+        "span_id": secrets.token_hex(8),
+        "parent_span_id": ctx.parent_span_id,
+        "name": f"{operation} {request_model}",
+        "kind": "SERVER",
+        "start_time_ns": ctx.start_ns,
+        "end_time_ns": end_ns or time.time_ns(),
+        "status": {"code": "OK", "message": None},
+        "attributes": attrs,
+        "events": [],
+        "resource": dict(resource or default_resource(served_model)),
+        "scope": {"name": SCOPE, "version": None},
+        "rollout_id": ctx.ids.get(ROLLOUT_ID),
+        "attempt_id": ctx.ids.get(ATTEMPT_ID),
+        "task_id": ctx.ids.get(TASK_ID),
+        "llm": {
+            "prompt_token_ids": list(prompt_ids),
+            "response_token_ids": list(completion.token_ids),
+            "response_logprobs": [float(x) for x in completion.logprobs],
+            "model": served_model,
+            "policy_version": policy_version,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_tokens,
+            "seed": params.seed,
+            "finish_reason": completion.finish_reason,
+            "input_tokens": len(prompt_ids),
+            "output_tokens": len(completion.token_ids),
+        },
+    }
+
+
+def span_key(span: Mapping[str, Any]) -> bytes:
+    """Partition key: the rollout id, or the trace id for unassigned calls (design.md, Topics)."""
+    return str(span.get("rollout_id") or span["trace_id"]).encode()
+
+
+class SpanSink(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def send(self, spans: list[dict[str, Any]]) -> None:
+        """Return only once every span is durably written (raise otherwise)."""
+        ...
+
+
+class MemorySpanSink:
+    """Keeps spans in a list (unit tests, ``--no-capture`` dry runs keep the last few)."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self.keep = keep
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def send(self, spans: list[dict[str, Any]]) -> None:
+        self.spans.extend(spans)
+        if self.keep is not None:
+            del self.spans[: max(0, len(self.spans) - self.keep)]
+
+
+class KafkaSpanSink:
+    """Produces Avro-encoded spans to ``settings.topic("spans")`` and awaits the broker's acks."""
+
+    def __init__(self, settings: Any, codec: Any = None, timeout: float = 30.0) -> None:
+        from boltstream.schemas import Codec
+
+        self.settings = settings
+        self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
+        self.topic = settings.topic("spans")
+        self.timeout = timeout
+        self._producer: Any = None
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        from boltstream.kafka import producer_kwargs, wait_for_broker
+
+        await wait_for_broker(self.settings, timeout=self.timeout)
+        self._producer = AIOKafkaProducer(**producer_kwargs(self.settings, linger_ms=1))
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def send(self, spans: list[dict[str, Any]]) -> None:
+        if self._producer is None:
+            raise RuntimeError("span sink not started")
+        futures = [
+            await self._producer.send(self.topic, self.codec.encode("Span", s, topic=self.topic), key=span_key(s))
+            for s in spans
+        ]
+        await asyncio.wait_for(asyncio.gather(*futures), self.timeout)

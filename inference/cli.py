@@ -1,0 +1,171 @@
+"""``boltstream serve``: run one OpenAI-compatible inference worker with token capture and hot reload.
+
+Configuration follows boltstream's rule (explicit flag > ``BOLTSTREAM_SERVE_*``
+env var > default; broker/S3 settings from ``BOLTSTREAM_*`` or the embedded
+stack's state file). Once the worker listens it writes one line to stdout,
+``boltstream serve: ready on http://HOST:PORT ...``, so scripts and tests can
+wait for readiness without polling (``--port 0`` picks a free port and that
+line says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+from boltstream.config import Settings, load
+from boltstream.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("transformers", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``boltstream serve`` needs; see ``boltstream serve --help``."""
+
+    env_prefix: ClassVar[str] = "BOLTSTREAM_SERVE_"
+
+    settings: Settings = dataclasses.field(default_factory=Settings)
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "transformers"
+    lora: bool = False
+    max_lora_rank: int = 64
+    dtype: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+    max_batch_size: int = 16
+    batch_window_ms: float = 2.0
+    max_context: int | None = None
+    default_max_tokens: int = 256
+    policy_version: int = 0
+    capture: bool = True
+    reload: bool = True
+    checkpoint_model: str | None = None
+    workdir: str | None = None
+    gpu_memory_utilization: float = 0.85
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", self.port, "must be 0-65535 (0: any free port)")
+        if self.max_batch_size < 1:
+            raise ConfigError("max_batch_size", self.max_batch_size, "must be >= 1")
+        if self.default_max_tokens < 1:
+            raise ConfigError("default_max_tokens", self.default_max_tokens, "must be >= 1")
+
+    @property
+    def name(self) -> str:
+        """The model name clients send and checkpoint events carry."""
+        if self.served_model_name:
+            return self.served_model_name
+        p = Path(self.model)
+        return self.model if len(p.parts) == 1 and not p.suffix else p.stem
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="boltstream serve", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", help="smollm2 (default) | tiny | an HF model directory | a .gguf file")
+    a("--served-model-name", help="name clients use in 'model' (default: derived from --model)")
+    a("--host", help="listen address (default 127.0.0.1)")
+    a("--port", type=int, help="listen port (default 8000; 0 = any free port)")
+    a("--backend", choices=BACKENDS, help="transformers (CPU default) or vllm (GPU, extra [vllm])")
+    a("--lora", action="store_const", const=True, help="expect LoRA checkpoints (vLLM: enable_lora)")
+    a("--max-lora-rank", type=int, help="vLLM: largest LoRA rank to accept (default 64)")
+    a("--dtype", help="torch dtype for the weights, e.g. bfloat16 (default: the checkpoint's)")
+    a("--device", help="transformers backend device (default cpu)")
+    a("--seed", type=int, help="seed of the tiny model's random weights (default 0)")
+    a("--max-batch-size", type=int, help="most sequences decoded together (default 16)")
+    a("--batch-window-ms", type=float, help="how long to collect concurrent requests into a batch (default 2)")
+    a("--max-context", type=int, help="context limit in tokens (default: the model's)")
+    a("--default-max-tokens", type=int, help="max_tokens when a request gives none (default 256)")
+    a("--policy-version", type=int, help="version number of the weights loaded at start (default 0)")
+    a("--no-capture", dest="capture", action="store_const", const=False,
+      help="do not write LLM spans (no broker needed; NOT for training)")
+    a("--no-reload", dest="reload", action="store_const", const=False, help="ignore the checkpoints topic")
+    a("--checkpoint-model", help="model name in checkpoint events to follow (default: the served name)")
+    a("--workdir", help="where downloaded checkpoints go (default: a temporary directory)")
+    a("--gpu-memory-utilization", type=float, help="vLLM: fraction of GPU memory to use (default 0.85)")
+    a("--log-level", help="debug | info | warning (default info)")
+    return p
+
+
+def build_backend(cfg: ServeConfig) -> Any:
+    """The engine for ``cfg.backend`` (vLLM imported only when asked for)."""
+    if cfg.backend == "vllm":
+        from boltstream.inference.vllm_backend import VllmBackend
+
+        return VllmBackend.create(cfg)
+    import transformers
+    from boltstream.inference.transformers_backend import TransformersBackend
+
+    from boltstream.models import load_model
+
+    transformers.utils.logging.disable_progress_bar()
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+    return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
+                               max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
+                               max_context=cfg.max_context)
+
+
+def build_app(cfg: ServeConfig, workdir: Path) -> Any:
+    """Backend + span sink + checkpoint follower wired into the HTTP app."""
+    from boltstream.inference.capture import KafkaSpanSink, MemorySpanSink
+    from boltstream.inference.reload import CheckpointFollower, ReloadStatus
+    from boltstream.inference.server import create_app
+    from boltstream.inference.service import Metrics
+
+    backend = build_backend(cfg)
+    metrics = Metrics(cfg.name)
+    status = ReloadStatus()
+    sink = KafkaSpanSink(cfg.settings) if cfg.capture else MemorySpanSink(keep=0)
+    follower = None
+    if cfg.reload:
+        follower = CheckpointFollower(cfg.settings, backend, model_name=cfg.checkpoint_model or cfg.name,
+                                      workdir=workdir, status=status, metrics=metrics)
+    names = tuple(dict.fromkeys((cfg.name, cfg.model)))
+    return create_app(backend, sink=sink, served_names=names, follower=follower, status=status,
+                      metrics=metrics, default_max_tokens=cfg.default_max_tokens)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    cfg = load(ServeConfig, explicit=vars(args))
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """Announces readiness on stdout once the socket is bound and the app has started."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                sys.stdout.write(f"boltstream serve: ready on http://{host}:{port} (model {cfg.name}, "
+                                 f"backend {cfg.backend})\n")
+                sys.stdout.flush()
+
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="boltstream-serve-"))
+    try:
+        app = build_app(cfg, workdir)
+        server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                                        lifespan="on", access_log=False))
+        asyncio.run(server.serve())
+    finally:
+        if not cfg.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if server.started else 1

@@ -1,0 +1,205 @@
+"""Hot checkpoint reload: follow the ``checkpoints`` topic, fetch + verify from S3, swap weights.
+
+Why no consumer group: every worker must see every event (a group would hand
+each event to one worker only). Each worker assigns itself all partitions,
+reads the topic from the beginning up to its true end at startup (the topic
+is compacted, so this is short) to find the newest version for its model,
+loads that, then follows new events. Only versions newer than the one being
+served are applied; when several arrive at once only the newest is loaded.
+
+A checkpoint that fails anywhere (missing manifest, a file whose sha256 or
+size differs, weights that do not fit the model) is refused with a logged
+error and counted; the worker keeps serving the version it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from boltstream.inference.backend import Backend
+from boltstream.inference.service import Metrics
+
+from boltstream.checkpoints import fetch_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class ReloadStatus:
+    """What /health reports about reloads, plus a condition to wait on (tests, benchmarks, operators)."""
+
+    def __init__(self) -> None:
+        self.reloads = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.last_reload_seconds: float | None = None
+        self.last_fetch_seconds: float | None = None
+        self.caught_up = False
+        self._changed: asyncio.Condition | None = None
+
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def notify(self) -> None:
+        async with self._cond():
+            self._cond().notify_all()
+
+    async def wait_until(self, predicate: Any, timeout: float) -> bool:
+        """Wait until ``predicate()`` holds or ``timeout`` passes; returns whether it holds."""
+        cond = self._cond()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(predicate), timeout)
+            except TimeoutError:
+                return bool(predicate())
+        return True
+
+
+class CheckpointFollower:
+    """Applies CheckpointEvents for ``model_name`` to ``backend``; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Any,
+        backend: Backend,
+        *,
+        model_name: str,
+        workdir: str | Path,
+        status: ReloadStatus,
+        metrics: Metrics | None = None,
+        codec: Any = None,
+        s3_client: Any = None,
+    ) -> None:
+        from boltstream.schemas import Codec
+
+        from boltstream import s3
+
+        self.settings = settings
+        self.backend = backend
+        self.model_name = model_name
+        self.workdir = Path(workdir)
+        self.status = status
+        self.metrics = metrics
+        self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
+        self.s3 = s3_client or s3.make_client(settings)
+        self.topic = settings.topic("checkpoints")
+        self._consumer: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        from boltstream.kafka import consumer_kwargs
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings, None, fetch_max_wait_ms=50))
+        await self._consumer.start()
+        await self._consumer.topics()  # metadata for every topic, so partitions_for_topic answers
+        parts = self._consumer.partitions_for_topic(self.topic)
+        if not parts:
+            await self._consumer.stop()
+            raise RuntimeError(f"topic {self.topic} does not exist (run `boltstream topics create`)")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        self._task = asyncio.create_task(self._run(tps), name="boltstream-checkpoint-follower")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    def _relevant(self, records: list[Any]) -> dict[str, Any] | None:
+        """The newest event for our model among ``records`` that is newer than what we serve."""
+        best: dict[str, Any] | None = None
+        for rec in records:
+            try:
+                event = self.codec.decode(rec.value, topic=self.topic, expect="CheckpointEvent")
+            except Exception as exc:  # a foreign or corrupt record must not stop reloads
+                log.warning("skipping undecodable record %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+                continue
+            if event["model"] != self.model_name or event["version"] <= self.backend.policy_version:
+                continue
+            if best is None or event["version"] > best["version"]:
+                best = event
+        return best
+
+    async def _run(self, tps: list[Any]) -> None:
+        from boltstream.kafka import log_end_offsets
+
+        ends = await log_end_offsets(self.settings, tps)
+        pending: dict[str, Any] | None = None
+        while not self.status.caught_up:
+            for tp in tps:
+                if await self._consumer.position(tp) >= ends[tp]:
+                    continue
+                break
+            else:
+                self.status.caught_up = True
+                break
+            batches = await self._consumer.getmany(timeout_ms=500)
+            found = self._relevant([r for recs in batches.values() for r in recs])
+            if found and (pending is None or found["version"] > pending["version"]):
+                pending = found
+        if pending is not None:
+            await self._apply(pending)
+        else:
+            await self.status.notify()
+        log.info("following %s for model %r from policy version %d", self.topic, self.model_name,
+                 self.backend.policy_version)
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=1000)
+            event = self._relevant([r for recs in batches.values() for r in recs])
+            if event is not None:
+                await self._apply(event)
+
+    async def _apply(self, event: dict[str, Any]) -> None:
+        version, kind = int(event["version"]), str(event.get("kind") or "full")
+        t0 = time.perf_counter()
+        dest = self.workdir / f"v{version}"
+        try:
+            path = await asyncio.to_thread(fetch_checkpoint, self.s3, event, dest)
+            fetched = time.perf_counter()
+            await self.backend.load_weights(path, kind, version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.status.failures += 1
+            self.status.last_error = f"v{version}: {exc}"
+            if self.metrics:
+                self.metrics.reload_failures.inc()
+            log.error("refused checkpoint %s v%d (%s): %s; still serving v%d", self.model_name, version,
+                      event.get("manifest_uri"), exc, self.backend.policy_version)
+            shutil.rmtree(dest, ignore_errors=True)
+        else:
+            elapsed = time.perf_counter() - t0
+            self.status.reloads += 1
+            self.status.last_error = None
+            self.status.last_reload_seconds = elapsed
+            self.status.last_fetch_seconds = fetched - t0
+            if self.metrics:
+                self.metrics.reloads.labels(kind).inc()
+                self.metrics.reload_seconds.labels(kind).observe(elapsed)
+                self.metrics.set_version(version)
+            log.info("reloaded %s v%d (%s) in %.3fs (download + verify %.3fs, load %.3fs)", self.model_name,
+                     version, kind, elapsed, fetched - t0, elapsed - (fetched - t0))
+            self._cleanup(keep=dest)
+        await self.status.notify()
+
+    def _cleanup(self, keep: Path) -> None:
+        """Drop downloaded versions other than the one just loaded (weights live in memory now)."""
+        for d in self.workdir.iterdir():
+            if d.is_dir() and d != keep:
+                shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,287 @@
+"""Completion requests end to end: validate, generate, capture the spans, answer (JSON or SSE).
+
+The order is the point: the LLM spans of a request are acknowledged by the
+broker before the answer (or, when streaming, the final ``[DONE]``) is sent,
+so nothing an agent does after seeing the answer can overtake them in the log.
+A response whose spans cannot be written is refused (503, ``capture_failed``)
+rather than delivered untraced: an untraced call would silently drop a step
+from the trajectory the learner trains on.
+
+:class:`Metrics` (Prometheus, ``GET /metrics``) uses a registry per app, so
+several apps in one process (tests, the demo) never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from boltstream.inference import protocol as P
+from boltstream.inference.backend import Backend, Completion, Generation
+from boltstream.inference.capture import CallContext, SpanSink, build_llm_span
+from boltstream.inference.chat import parse_tool_calls, render_prompt, validate_tools
+from boltstream.inference.protocol import ApiError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Requests, tokens in/out, latency, spans written, the loaded policy version and reloads."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("boltstream_inference_requests", "HTTP completion requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("boltstream_inference_prompt_tokens", "prompt tokens processed",
+                                     registry=r)
+        self.completion_tokens = Counter("boltstream_inference_completion_tokens", "tokens generated",
+                                         registry=r)
+        self.latency = Histogram("boltstream_inference_request_seconds",
+                                 "request latency, arrival to answer (spans acknowledged)", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.policy_version = Gauge("boltstream_inference_policy_version", "policy version being served",
+                                    ["model"], registry=r)
+        self.reloads = Counter("boltstream_inference_reloads", "checkpoint reloads by kind", ["kind"],
+                               registry=r)
+        self.reload_failures = Counter("boltstream_inference_reload_failures",
+                                       "checkpoints refused (corrupt, partial, incompatible)", registry=r)
+        self.reload_seconds = Histogram("boltstream_inference_reload_seconds",
+                                        "event received to new version serving (download + verify + load)",
+                                        ["kind"], buckets=RELOAD_BUCKETS, registry=r)
+        self.capture_failures = Counter("boltstream_inference_capture_failures",
+                                        "responses refused because their spans could not be written", registry=r)
+        self.spans = Counter("boltstream_inference_spans", "LLM spans written", registry=r)
+        self.model_name = model_name
+
+    def set_version(self, version: int) -> None:
+        self.policy_version.labels(self.model_name).set(version)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class CompletionService:
+    """Turns parsed OpenAI requests into generations, spans and responses."""
+
+    def __init__(self, backend: Backend, sink: SpanSink, metrics: Metrics, *, served_names: tuple[str, ...],
+                 default_max_tokens: int = 256) -> None:
+        self.backend = backend
+        self.sink = sink
+        self.metrics = metrics
+        self.served_names = served_names
+        self.default_max_tokens = default_max_tokens
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer
+
+    # ---------------------------------------------------------------- parsing
+
+    def parse_chat(self, body: dict[str, Any]) -> P.ParsedRequest:
+        model = P.check_model(body, self.served_names)
+        tools = validate_tools(body.get("tools"))
+        tool_choice = body.get("tool_choice")
+        if tool_choice == "none":
+            tools = None
+        prompt = render_prompt(self.tokenizer, body.get("messages"), tools)
+        params = P.parse_sampling(body, [len(prompt)], self.backend.max_context, self.default_max_tokens)
+        stream, include_usage = P.parse_stream(body)
+        return P.ParsedRequest("chat", model, [prompt], params, stream, include_usage,
+                               P.parse_logprobs(body, "chat"), bool(body.get("return_token_ids")), tools,
+                               tool_choice, messages=body.get("messages"))
+
+    def parse_completion(self, body: dict[str, Any]) -> P.ParsedRequest:
+        model = P.check_model(body, self.served_names)
+        prompts, texts = P.parse_prompts(body, self.tokenizer)
+        params = P.parse_sampling(body, [len(p) for p in prompts], self.backend.max_context,
+                                  self.default_max_tokens)
+        stream, include_usage = P.parse_stream(body)
+        return P.ParsedRequest("completion", model, prompts, params, stream, include_usage,
+                               P.parse_logprobs(body, "completion"), bool(body.get("return_token_ids")),
+                               prompt_text=texts)
+
+    # ---------------------------------------------------------------- capture
+
+    def _spans(self, req: P.ParsedRequest, ctx: CallContext, rid: str, gens: list[Generation],
+               texts: list[str]) -> list[dict[str, Any]]:
+        spans, end = [], time.time_ns()
+        n = req.params.n
+        for p, gen in enumerate(gens):
+            for i, c in enumerate(gen.completions):
+                k = p * n + i
+                spans.append(build_llm_span(
+                    ctx, operation="chat" if req.kind == "chat" else "text_completion",
+                    request_model=req.model, served_model=self.served_names[0], response_id=rid,
+                    prompt_ids=gen.prompt_token_ids, completion=c, choice_index=k, params=req.params,
+                    policy_version=gen.policy_version,
+                    input_messages=req.messages if req.kind == "chat" else req.prompt_text[p],
+                    output_text=texts[k], end_ns=end))
+        return spans
+
+    async def _capture(self, spans: list[dict[str, Any]]) -> None:
+        try:
+            await self.sink.send(spans)
+        except Exception as exc:
+            self.metrics.capture_failures.inc()
+            log.error("could not write %d LLM span(s): %s", len(spans), exc)
+            raise ApiError(503, f"the LLM span could not be written to the log ({exc}); retry the request",
+                           type="server_error", code="capture_failed") from exc
+        self.metrics.spans.inc(len(spans))
+
+    def _account(self, req: P.ParsedRequest, gens: list[Generation], t0: float, status: str = "200") -> None:
+        endpoint = "chat" if req.kind == "chat" else "completions"
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.prompt_tokens.inc(sum(len(g.prompt_token_ids) for g in gens))
+        self.metrics.completion_tokens.inc(sum(len(c.token_ids) for g in gens for c in g.completions))
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+    # --------------------------------------------------------------- answers
+
+    def _chat_message(self, req: P.ParsedRequest, c: Completion) -> tuple[dict[str, Any], str]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if req.tools:
+            content, calls = parse_tool_calls(c.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls"
+        return message, finish
+
+    def _choice(self, req: P.ParsedRequest, k: int, c: Completion) -> dict[str, Any]:
+        if req.kind == "chat":
+            message, finish = self._chat_message(req, c)
+            choice: dict[str, Any] = {"index": k, "message": message, "finish_reason": finish,
+                                      "logprobs": P.chat_logprobs(self.tokenizer, c.token_ids, c.logprobs)
+                                      if req.logprobs else None}
+        else:
+            choice = {"index": k, "text": c.text, "finish_reason": c.finish_reason,
+                      "logprobs": P.completion_logprobs(self.tokenizer, c.token_ids, c.logprobs)
+                      if req.logprobs else None}
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return choice
+
+    async def complete(self, req: P.ParsedRequest, ctx: CallContext) -> dict[str, Any]:
+        """Non-streaming: every prompt generated concurrently (they batch together)."""
+        t0 = time.perf_counter()
+        gens = list(await asyncio.gather(*(self.backend.generate(p, req.params) for p in req.prompts)))
+        completions = [c for g in gens for c in g.completions]
+        rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+        out = P.envelope(req.kind, rid, req.model, min(g.policy_version for g in gens))
+        out["choices"] = [self._choice(req, k, c) for k, c in enumerate(completions)]
+        out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens), sum(len(c.token_ids) for c in completions))
+        if req.return_token_ids:
+            out["prompt_token_ids"] = gens[0].prompt_token_ids if len(gens) == 1 else [g.prompt_token_ids for g in gens]
+        self._account(req, gens, t0)
+        return out
+
+    def _chunk(self, req: P.ParsedRequest, rid: str, version: int, k: int, text: str | None,
+               finish: str | None = None, lp: list[tuple[int, float]] | None = None,
+               extra_delta: dict[str, Any] | None = None) -> str:
+        out = P.envelope(req.kind, rid, req.model, version, chunk=True)
+        logprobs = None
+        if req.logprobs and lp:
+            ids, lps = [t for t, _ in lp], [v for _, v in lp]
+            logprobs = (P.chat_logprobs if req.kind == "chat" else P.completion_logprobs)(self.tokenizer, ids, lps)
+        if req.kind == "chat":
+            delta: dict[str, Any] = dict(extra_delta or {})
+            if text is not None:
+                delta["content"] = text
+            out["choices"] = [{"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        else:
+            out["choices"] = [{"index": k, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
+        return _sse(out)
+
+    async def stream(self, req: P.ParsedRequest, ctx: CallContext) -> AsyncIterator[str]:
+        """SSE: deltas as tokens are sampled; spans acknowledged after the last chunk, before ``[DONE]``."""
+        t0 = time.perf_counter()
+        n = req.params.n
+        rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        version = self.backend.policy_version
+        events: asyncio.Queue[tuple[int, int, float]] = asyncio.Queue()
+        streams = {k: P.TextStream(self.tokenizer, req.params.stop) for k in range(len(req.prompts) * n)}
+        pending_lp: dict[int, list[tuple[int, float]]] = {k: [] for k in streams}
+        buffer_text = req.kind == "chat" and bool(req.tools)  # tool calls are only known at the end
+
+        def callback(p: int) -> Any:
+            return lambda choice, tok, lp: events.put_nowait((p * n + choice, tok, lp))
+
+        tasks = [asyncio.create_task(self.backend.generate(prompt, req.params, callback(p)))
+                 for p, prompt in enumerate(req.prompts)]
+        done = asyncio.gather(*tasks)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception not retrieved"
+        try:
+            if req.kind == "chat":
+                for k in streams:
+                    yield self._chunk(req, rid, version, k, "", extra_delta={"role": "assistant"})
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    break
+                k, tok, lp = getter.result()
+                pending_lp[k].append((tok, lp))
+                delta = streams[k].push(tok)
+                if delta and not buffer_text:
+                    yield self._chunk(req, rid, version, k, delta, lp=pending_lp[k])
+                    pending_lp[k] = []
+            while not events.empty():  # tokens sampled just before the generation finished
+                k, tok, lp = events.get_nowait()
+                pending_lp[k].append((tok, lp))
+                streams[k].push(tok)
+            gens: list[Generation] = list(done.result())
+            completions = [c for g in gens for c in g.completions]
+            for k, c in enumerate(completions):
+                if buffer_text:
+                    message, finish = self._chat_message(req, c)
+                    extra = {"tool_calls": [dict(tc, index=j) for j, tc in enumerate(message["tool_calls"])]} \
+                        if "tool_calls" in message else None
+                    yield self._chunk(req, rid, version, k, message["content"], lp=pending_lp[k], extra_delta=extra)
+                    yield self._chunk(req, rid, version, k, None, finish=finish)
+                    continue
+                rest = streams[k].finish(c.text)
+                if rest or pending_lp[k]:
+                    yield self._chunk(req, rid, version, k, rest, lp=pending_lp[k])
+                yield self._chunk(req, rid, version, k, None if req.kind == "chat" else "", finish=c.finish_reason)
+            if req.include_usage:
+                out = P.envelope(req.kind, rid, req.model, version, chunk=True)
+                out["choices"] = []
+                out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens),
+                                       sum(len(c.token_ids) for c in completions))
+                yield _sse(out)
+            try:
+                await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+            except ApiError as exc:
+                self._account(req, gens, t0, status=str(exc.status))
+                yield _sse(exc.body())
+                return
+            self._account(req, gens, t0)
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # the client went away: stop generating for it
+                t.cancel()

@@ -1,0 +1,189 @@
+"""Sample dicts (``schemas/sample/v1.avsc``) -> padded tensors, and micro-batching.
+
+Everything per-token is moved to *label positions* here, once: position ``t`` of
+``labels`` / ``loss_mask`` / ``behaviour_logprobs`` / ``advantages`` describes token
+``t + 1`` of ``input_ids``, which is what the hidden state at ``t`` predicts. The losses
+never shift anything, so an off-by-one cannot hide in two places.
+
+Micro-batches bound memory by a *token budget* (rows x padded length), not a sample
+count: agent calls range from 50 to 5000 tokens. Samples are sorted by length before
+packing so padding stays small. The step's loss normaliser is computed over ALL
+micro-batches (:func:`step_normaliser`) and handed to each, which makes gradient
+accumulation exactly equal to one big batch for every aggregation mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .losses import loss_normaliser
+
+logger = logging.getLogger(__name__)
+
+Sample = Mapping[str, Any]
+
+
+def sample_problem(sample: Sample, vocab_size: int | None = None) -> str | None:
+    """Why ``sample`` cannot be trained on, or None if it can.
+
+    The reasons are short stable strings, meant to be used as counter labels by the
+    training loop ("rejected with a counted reason; training continues").
+    """
+    try:
+        ids = sample["token_ids"]
+        mask = sample["loss_mask"]
+        blp = sample["behaviour_logprobs"]
+        plen = int(sample["prompt_length"])
+        adv = float(sample["advantage"])
+        weight = float(sample.get("loss_weight", 1.0))
+        n, n_mask, n_blp = len(ids), len(mask), len(blp)
+    except (KeyError, TypeError, ValueError):
+        return "missing_field"
+    if n_mask != n or n_blp != n:
+        return "length_mismatch"
+    if not 0 <= plen <= n:
+        return "bad_prompt_length"
+    if not any(mask[1:]):
+        return "no_loss_tokens"
+    if any(mask[:plen]):
+        return "loss_in_prompt"
+    if not math.isfinite(adv):
+        return "nonfinite_advantage"
+    if not math.isfinite(weight) or weight < 0:
+        return "bad_loss_weight"
+    for m, lp in zip(mask, blp, strict=True):
+        if m and not (math.isfinite(lp) and lp <= 1e-4):
+            return "bad_behaviour_logprob"
+    if vocab_size is not None and any(not 0 <= int(t) < vocab_size for t in ids):
+        return "token_out_of_vocab"
+    return None
+
+
+@dataclass
+class Batch:
+    """One padded (micro-)batch; per-token fields are at label positions, ``[B, T-1]``."""
+
+    input_ids: torch.Tensor  # [B, T] long, right-padded
+    attention_mask: torch.Tensor  # [B, T] long
+    labels: torch.Tensor  # [B, T-1] long  (= input_ids[:, 1:])
+    loss_mask: torch.Tensor  # [B, T-1] bool
+    behaviour_logprobs: torch.Tensor  # [B, T-1] float32, 0 where not trained
+    advantages: torch.Tensor  # [B, T-1] float32, the sample's advantage on trained tokens
+    weights: torch.Tensor  # [B] float32, the samples' loss_weight
+    policy_versions: torch.Tensor  # [B] long
+    sample_ids: list[str]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_input_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return replace(
+            self,
+            **{
+                name: getattr(self, name).to(device)
+                for name in (
+                    "input_ids",
+                    "attention_mask",
+                    "labels",
+                    "loss_mask",
+                    "behaviour_logprobs",
+                    "advantages",
+                    "weights",
+                    "policy_versions",
+                )
+            },
+        )
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> Batch:
+    """Pad ``samples`` (right padding) into a :class:`Batch`.
+
+    A loss-mask flag on token 0 is dropped (nothing predicts the first token);
+    :func:`sample_problem` rejects such samples anyway because token 0 is in the prompt.
+    """
+    if not samples:
+        raise ValueError("collate() needs at least one sample")
+    lengths = [len(s["token_ids"]) for s in samples]
+    b, t = len(samples), max(max(lengths), 2)
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.bool)
+    blp = torch.zeros((b, t), dtype=torch.float32)
+    adv = torch.zeros(b, dtype=torch.float32)
+    weights = torch.ones(b, dtype=torch.float32)
+    versions = torch.full((b,), -1, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        input_ids[i, :n] = torch.as_tensor(s["token_ids"], dtype=torch.long)
+        attention_mask[i, :n] = 1
+        mask[i, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        blp[i, :n] = torch.as_tensor(s["behaviour_logprobs"], dtype=torch.float32)
+        adv[i] = float(s["advantage"])
+        weights[i] = float(s.get("loss_weight", 1.0))
+        versions[i] = int(s.get("policy_version", -1))
+    loss_mask = mask[:, 1:]
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        labels=input_ids[:, 1:].clone(),
+        loss_mask=loss_mask.clone(),
+        behaviour_logprobs=torch.where(loss_mask, blp[:, 1:], torch.zeros_like(blp[:, 1:])),
+        advantages=adv.unsqueeze(1) * loss_mask.float(),
+        weights=weights,
+        policy_versions=versions,
+        sample_ids=[str(s.get("sample_id", i)) for i, s in enumerate(samples)],
+    )
+
+
+def split_by_token_budget(samples: Sequence[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Group samples so each group's padded size (rows x longest row) is <= ``max_tokens``.
+
+    Longest first, greedy: deterministic, and neighbours have similar lengths so little
+    is spent on padding. A sample longer than the budget gets a group of its own (logged):
+    splitting one sequence is not possible without changing its attention.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["token_ids"]))
+    groups: list[list[Sample]] = []
+    current: list[Sample] = []
+    current_len = 0
+    for i in order:
+        n = len(samples[i]["token_ids"])
+        if current and (len(current) + 1) * max(current_len, n) > max_tokens:
+            groups.append(current)
+            current, current_len = [], 0
+        if not current and n > max_tokens:
+            logger.warning(
+                "sample %s has %d tokens, above the micro-batch budget %d",
+                samples[i].get("sample_id"),
+                n,
+                max_tokens,
+            )
+        current.append(samples[i])
+        current_len = max(current_len, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def micro_batches(samples: Sequence[Sample], max_tokens: int, pad_token_id: int = 0) -> list[Batch]:
+    """:func:`split_by_token_budget` then :func:`collate` each group."""
+    return [collate(g, pad_token_id) for g in split_by_token_budget(samples, max_tokens)]
+
+
+def step_normaliser(batches: Sequence[Batch], loss_agg: str) -> float:
+    """The loss denominator of a whole optimizer step (tokens or sequences, per mode),
+    to be passed to every micro-batch's loss so the accumulated gradient equals the
+    single-batch gradient."""
+    return float(sum(float(loss_normaliser(b.loss_mask, loss_agg)) for b in batches))

@@ -1,0 +1,313 @@
+"""One optimizer step of PPO/GRPO on a list of Sample dicts.
+
+Memory: the model's *decoder* runs on the padded micro-batch, then only the hidden
+states at trained (response) positions go through the LM head, in chunks, with the
+chunk logits recomputed in backward (:func:`losses.linear_token_logprobs`). Prompt
+positions never produce logits. Peak activation memory is therefore bounded by
+``max_tokens_per_micro_batch`` (decoder activations) plus ``logprob_chunk_size * vocab``
+floats, independent of the step's size. Models whose head is not a plain ``nn.Linear``
+(LoRA on ``lm_head``, logit soft-capping or scaling) or wrapped models (DDP) fall back to
+the model's own forward and gather log-probs from its logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .collate import Batch, Sample, collate, micro_batches, step_normaliser
+from .losses import (
+    LOSS_AGG_MODES,
+    LossMetrics,
+    entropy_from_logits,
+    linear_token_logprobs,
+    ppo_clip_loss,
+    token_logprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Knobs of one optimizer step. Defaults: DAPO-style asymmetric clip, token-mean."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"
+    # decoupled: clip against the current policy (detached) and weight each token by
+    # min(pi_current / pi_behaviour, is_cap) -- truncated IS for stale/off-policy samples.
+    decoupled: bool = False
+    is_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    max_tokens_per_micro_batch: int = 4096
+    max_grad_norm: float | None = 1.0
+    logprob_chunk_size: int = 1024
+    temperature: float = 1.0
+    pad_token_id: int = 0
+    compute_entropy: bool = True
+    fused_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg={self.loss_agg!r}; expected one of {LOSS_AGG_MODES}")
+        if self.max_tokens_per_micro_batch <= 0 or self.logprob_chunk_size <= 0:
+            raise ValueError("max_tokens_per_micro_batch and logprob_chunk_size must be positive")
+
+
+@dataclass
+class StepMetrics:
+    """What one step did; plain floats/ints, ready for JSONL / Prometheus."""
+
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    ref_kl: float
+    entropy: float
+    ratio_mean: float
+    ratio_max: float
+    is_weight_mean: float
+    is_truncated_fraction: float
+    grad_norm: float
+    advantage_mean: float
+    advantage_std: float
+    loss_tokens: int
+    input_tokens: int
+    samples: int
+    micro_batches: int
+    seconds: float
+    tokens_per_s: float
+    skipped: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def _lm_head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when the fused path computes exactly the model's logits, else None."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    if not (hasattr(causal, "get_output_embeddings") and hasattr(causal, "get_decoder")):
+        return None
+    head = causal.get_output_embeddings()
+    decoder = causal.get_decoder()
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is causal:
+        return None
+    config = getattr(causal, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        value = getattr(config, attr, None)
+        if value is not None and value != 1:
+            return None
+    return decoder, head
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, batch: Batch, cfg: StepConfig, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Model log-probs of ``batch.labels`` at trained positions, ``[B, T-1]`` float32
+    (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable."""
+    sel = batch.loss_mask
+    labels = batch.labels[sel]
+    parts = _lm_head_parts(model) if cfg.fused_head else None
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+        ).last_hidden_state
+        lp, ent = linear_token_logprobs(
+            hidden[:, :-1][sel],
+            head.weight,
+            labels,
+            bias=head.bias,
+            chunk_size=cfg.logprob_chunk_size,
+            temperature=cfg.temperature,
+            with_entropy=with_entropy,
+        )
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        picked = logits[:, :-1][sel]
+        if cfg.temperature != 1.0:
+            picked = picked / cfg.temperature
+        lp = token_logprobs(picked, labels, cfg.logprob_chunk_size)
+        ent = entropy_from_logits(picked, cfg.logprob_chunk_size) if with_entropy else None
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
+    return zeros.masked_scatter(sel, lp), (zeros.masked_scatter(sel, ent) if ent is not None else None)
+
+
+@torch.no_grad()
+def _reference_logprobs(
+    model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: Batch, cfg: StepConfig
+) -> torch.Tensor | None:
+    """Frozen-reference log-probs: ``ref_model`` if given, else the peft model with its
+    adapters disabled (the base model *is* the reference for LoRA: no second copy)."""
+    if ref_model is not None:
+        return sequence_logprobs(ref_model, batch, cfg)[0]
+    if cfg.kl_coef == 0.0:
+        return None
+    if not hasattr(model, "disable_adapter"):
+        raise ValueError("kl_coef > 0 needs a ref_model (or a peft model, whose base is the reference)")
+    with model.disable_adapter():
+        return sequence_logprobs(model, batch, cfg)[0]
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    cfg: StepConfig,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    backward: bool = True,
+    backward_fn: Callable[[torch.Tensor], None] | None = None,
+) -> StepMetrics:
+    """Forward (+ backward) every micro-batch, adding into ``.grad``; no optimizer step.
+
+    Each micro-batch loss is divided by the *step's* normaliser, so the gradients summed
+    here equal those of one batch holding all samples. Does not zero gradients.
+    ``backward_fn`` replaces ``loss.backward()`` (e.g. a DeepSpeed engine's ``backward``;
+    mind that engine's own gradient-accumulation scaling).
+    """
+    if not samples:
+        raise ValueError("a step needs at least one sample")
+    t0 = time.perf_counter()
+    device = _device(model)
+    batches = micro_batches(samples, cfg.max_tokens_per_micro_batch, cfg.pad_token_id)
+    normaliser = step_normaliser(batches, cfg.loss_agg)
+    total_loss = 0.0
+    metrics: LossMetrics | None = None
+    entropy_sum = 0.0
+    grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
+    with grad_ctx:
+        for batch in batches:
+            batch = batch.to(device)
+            ref = _reference_logprobs(model, ref_model, batch, cfg)
+            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy)
+            loss, m = ppo_clip_loss(
+                logprobs,
+                batch.behaviour_logprobs,
+                batch.advantages,
+                batch.loss_mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+                proximal_logprobs=logprobs.detach() if cfg.decoupled else None,
+                is_cap=cfg.is_cap,
+                ref_logprobs=ref,
+                kl_coef=cfg.kl_coef,
+                weights=batch.weights,
+                loss_agg=cfg.loss_agg,
+                normaliser=normaliser,
+            )
+            if backward:
+                (backward_fn or torch.Tensor.backward)(loss)
+            total_loss += float(loss.detach())
+            metrics = m if metrics is None else metrics.merge(m)
+            if entropy is not None:
+                entropy_sum += float(entropy.sum())
+    assert metrics is not None
+    adv = torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float64)
+    input_tokens = sum(b.num_input_tokens for b in batches)
+    seconds = time.perf_counter() - t0
+    tokens = float(metrics.tokens)
+    return StepMetrics(
+        loss=total_loss,
+        clip_fraction=metrics.clip_fraction,
+        approx_kl=metrics.approx_kl,
+        ref_kl=metrics.ref_kl,
+        entropy=entropy_sum / tokens if tokens else 0.0,
+        ratio_mean=metrics.ratio_mean,
+        ratio_max=float(metrics.ratio_max),
+        is_weight_mean=metrics.is_weight_mean,
+        is_truncated_fraction=metrics.is_truncated_fraction,
+        grad_norm=float("nan"),
+        advantage_mean=float(adv.mean()),
+        advantage_std=float(adv.std(unbiased=False)),
+        loss_tokens=int(tokens),
+        input_tokens=input_tokens,
+        samples=len(samples),
+        micro_batches=len(batches),
+        seconds=seconds,
+        tokens_per_s=input_tokens / seconds if seconds > 0 else 0.0,
+    )
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    cfg: StepConfig | None = None,
+    *,
+    ref_model: torch.nn.Module | None = None,
+) -> StepMetrics:
+    """zero_grad -> micro-batched forward/backward -> clip grad norm -> optimizer.step().
+
+    ``samples`` must already be validated (:func:`collate.sample_problem`). A step whose
+    gradient norm is not finite is skipped (gradients dropped, ``skipped=True``) rather
+    than poisoning the weights. Puts the model in train mode. LR schedulers are the
+    caller's business (call ``scheduler.step()`` after this).
+    """
+    cfg = cfg or StepConfig()
+    t0 = time.perf_counter()
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = accumulate_gradients(model, samples, cfg, ref_model=ref_model)
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        logger.warning("non-finite gradient norm (%s): step skipped", grad_norm)
+        metrics.skipped = True
+    optimizer.zero_grad(set_to_none=True)
+    metrics.grad_norm = grad_norm
+    metrics.seconds = time.perf_counter() - t0
+    metrics.tokens_per_s = metrics.input_tokens / metrics.seconds if metrics.seconds > 0 else 0.0
+    logger.debug("step: %s", metrics)
+    return metrics
+
+
+def evaluate_loss(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    cfg: StepConfig | None = None,
+    *,
+    ref_model: torch.nn.Module | None = None,
+) -> StepMetrics:
+    """The step's loss and metrics without gradients or an update (uses the current
+    train/eval mode of ``model``)."""
+    return accumulate_gradients(model, samples, cfg or StepConfig(), ref_model=ref_model, backward=False)
+
+
+@torch.no_grad()
+def with_model_logprobs(
+    model: torch.nn.Module, samples: Sequence[Sample], cfg: StepConfig | None = None
+) -> list[dict[str, Any]]:
+    """Copies of ``samples`` whose ``behaviour_logprobs`` are ``model``'s own (0 off the
+    loss mask): on-policy data for tests, or a recomputed proximal policy."""
+    cfg = cfg or StepConfig()
+    device = _device(model)
+    out = []
+    for s in samples:
+        batch = collate([s], cfg.pad_token_id).to(device)
+        lp = sequence_logprobs(model, batch, cfg)[0][0].cpu()
+        mask = batch.loss_mask[0].cpu()
+        values = [0.0] + [float(v) if m else 0.0 for v, m in zip(lp.tolist(), mask.tolist(), strict=True)]
+        out.append({**s, "behaviour_logprobs": values[: len(s["token_ids"])]})
+    return out

@@ -1,0 +1,147 @@
+"""Consumer-side helpers shared by the runner and the OTLP ingest: offset tracking and dead letters.
+
+Which offsets may be committed. Tasks finish out of order (a short task after
+a long one). Committing offset 8 while task 5 still runs would, after a crash,
+skip task 5 forever: Kafka's committed offset means "everything before this is
+done", so only the contiguous prefix of finished records is committable.
+Entries are handles: :meth:`OffsetTracker.start` returns one and
+:meth:`OffsetTracker.finish` marks that very handle. When a partition is
+revoked its entries are forgotten; a task still running from before then
+finishes on an orphaned handle and cannot mark a newer run of the same offset
+done by mistake.
+
+Dead letters. Input a component cannot use is kept whole, not logged and
+lost: a DeadLetter (schemas/dead_letter/v1.avsc) holds the original key and
+value, where they came from (topic, partition, offset) and why they were
+rejected, on the ``dlq`` topic keyed by the original key, to inspect or replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
+
+from boltstream.config import Settings
+
+log = logging.getLogger(__name__)
+
+TP = TypeVar("TP")
+
+
+class Entry:
+    """One dispatched record (a task) awaiting completion."""
+
+    __slots__ = ("done", "offset")
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.done = False
+
+
+class OffsetTracker(Generic[TP]):
+    """Per-partition in-order record of dispatched offsets and their completion. Not thread-safe
+    (used from the runner's event loop only)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[TP, collections.deque[Entry]] = {}
+        self._position: dict[TP, int] = {}  # next offset after the last committable one handed out
+
+    def start(self, tp: TP, offset: int) -> Entry | None:
+        """Register a fetched record; None when it is already in flight or done here (skip it).
+
+        After a rebalance gives a partition back, the consumer re-fetches from the
+        committed offset; records this runner is still working on must not run twice.
+        """
+        if offset < self._position.get(tp, -1):
+            return None
+        entries = self._parts.setdefault(tp, collections.deque())
+        if entries and offset <= entries[-1].offset:
+            return None
+        entry = Entry(offset)
+        entries.append(entry)
+        return entry
+
+    @staticmethod
+    def finish(entry: Entry) -> None:
+        entry.done = True
+
+    def committable(self) -> dict[TP, int]:
+        """{tp: offset to commit} for partitions whose finished prefix grew; consumes that prefix."""
+        out: dict[TP, int] = {}
+        for tp, entries in self._parts.items():
+            last = None
+            while entries and entries[0].done:
+                last = entries.popleft().offset
+            if last is not None:
+                self._position[tp] = last + 1
+                out[tp] = last + 1
+        return out
+
+    def in_flight(self, tps: Iterable[TP] | None = None) -> int:
+        parts = self._parts if tps is None else {tp: self._parts[tp] for tp in tps if tp in self._parts}
+        return sum(1 for entries in parts.values() for e in entries if not e.done)
+
+    def pending(self, tps: Iterable[TP] | None = None) -> int:
+        """Entries not yet committable (running, or done behind a running one)."""
+        parts = self._parts if tps is None else {tp: self._parts[tp] for tp in tps if tp in self._parts}
+        return sum(len(entries) for entries in parts.values())
+
+    def forget(self, tps: Iterable[TP]) -> int:
+        """Drop all state for revoked partitions; returns how many unfinished entries were orphaned."""
+        lost = 0
+        for tp in tps:
+            entries = self._parts.pop(tp, None)
+            self._position.pop(tp, None)
+            lost += sum(1 for e in entries or () if not e.done)
+        return lost
+
+
+class DeadLetterWriter:
+    """Lazily started producer for the dlq topic; ``send`` waits for the broker's ack."""
+
+    def __init__(self, settings: Settings, codec: Any, component: str) -> None:
+        self.settings = settings
+        self.codec = codec
+        self.component = component
+        self.topic = settings.topic("dlq")
+        self._producer: Any = None
+        self.sent = 0
+
+    def record(self, source: Any, reason: str) -> dict[str, Any]:
+        """The DeadLetter dict for a consumed aiokafka record (or anything with the same fields)."""
+        value = source.value if source.value is not None else b""
+        limit = self.settings.max_message_bytes - 4096
+        if len(value) > limit:  # keep what fits; say so
+            reason = f"{reason} (value truncated from {len(value)} bytes)"
+            value = value[:limit]
+        return {
+            "reason": reason,
+            "component": self.component,
+            "topic": source.topic,
+            "partition": int(source.partition),
+            "offset": int(source.offset),
+            "key": source.key,
+            "value": value,
+            "timestamp_ns": time.time_ns(),
+        }
+
+    async def send(self, source: Any, reason: str) -> None:
+        if self._producer is None:
+            from aiokafka import AIOKafkaProducer
+
+            from boltstream.kafka import producer_kwargs
+
+            producer = AIOKafkaProducer(**producer_kwargs(self.settings))
+            await producer.start()
+            self._producer = producer
+        data = self.codec.encode("DeadLetter", self.record(source, reason), topic=self.topic)
+        await self._producer.send_and_wait(self.topic, data, key=source.key)
+        self.sent += 1
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()

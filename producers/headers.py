@@ -1,0 +1,132 @@
+"""Carry rollout ids to the inference worker: HTTP headers, or the base URL for agents that cannot set them.
+
+Why both: the inference worker writes the LLM span (with token ids) and must
+key it by the same rollout id as the agent's spans. Most clients accept
+``default_headers``; some agents only let you set a base URL, so the ids can
+ride in the path instead.
+
+Headers (:func:`rollout_headers`): ``X-Boltstream-Rollout-Id``,
+``X-Boltstream-Attempt-Id``, ``X-Boltstream-Task-Id`` (omitted when there is no
+task), plus W3C ``traceparent`` (the rollout's root span, so the worker's
+span joins the rollout's trace) and ``baggage`` (the same ids).
+
+Base URL (:func:`rollout_base_url`), the exact form the worker parses with
+:func:`parse_rollout_path`::
+
+    {root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1
+
+``root`` is the given base URL without a trailing ``/v1``. Each id segment is
+the id itself when it only uses ``A-Z a-z 0-9 . _ : @ + = -`` and does not
+start with ``~``; otherwise ``~`` followed by the unpadded base64url of its
+UTF-8 bytes. A missing id (no task) is written as ``~`` alone. No percent
+encoding, because servers disagree on whether ``%2F`` in a path is a slash.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any
+
+from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from .context import ID_KEYS, RolloutContext, current_rollout
+
+HEADER_ROLLOUT_ID = "X-Boltstream-Rollout-Id"
+HEADER_ATTEMPT_ID = "X-Boltstream-Attempt-Id"
+HEADER_TASK_ID = "X-Boltstream-Task-Id"
+_PLAIN = re.compile(r"^[A-Za-z0-9._:@+=-]+$")
+_PATH = re.compile(r"^(?P<prefix>.*?)/rollout/(?P<r>[^/]+)/(?P<a>[^/]+)/(?P<t>[^/]+)(?P<rest>/.*)?$")
+_TRACE = TraceContextTextMapPropagator()
+_BAGGAGE = W3CBaggagePropagator()
+
+
+def rollout_headers(ctx: RolloutContext | None = None) -> dict[str, str]:
+    """Headers for the current rollout (or ``ctx``); {} outside any rollout."""
+    ctx = ctx or current_rollout()
+    if ctx is None:
+        return {}
+    headers = {HEADER_ROLLOUT_ID: ctx.rollout_id, HEADER_ATTEMPT_ID: ctx.attempt_id}
+    if ctx.task_id is not None:
+        headers[HEADER_TASK_ID] = ctx.task_id
+    octx = otel_context.get_current()
+    if ctx.span is not None and trace.get_current_span(octx).get_span_context().trace_id != \
+            ctx.span.get_span_context().trace_id:
+        octx = trace.set_span_in_context(ctx.span, octx)
+    for k, v in ctx.ids.items():
+        octx = baggage.set_baggage(k, v, octx)
+    carrier: dict[str, str] = {}
+    _TRACE.inject(carrier, context=octx)
+    _BAGGAGE.inject(carrier, context=octx)
+    headers.update(carrier)
+    return headers
+
+
+def ids_from_headers(headers: Any) -> dict[str, str]:
+    """The inverse, for the worker: ``{"boltstream.rollout_id": ..., ...}`` from a header mapping."""
+    get = headers.get
+    out: dict[str, str] = {}
+    for key, name in zip(ID_KEYS, (HEADER_ROLLOUT_ID, HEADER_ATTEMPT_ID, HEADER_TASK_ID), strict=True):
+        v = get(name) or get(name.lower())
+        if v:
+            out[key] = v
+    if len(out) < 2:  # fall back to W3C baggage
+        bag = _BAGGAGE.extract({k.lower(): v for k, v in dict(headers).items()})
+        for key in ID_KEYS:
+            v = baggage.get_baggage(key, bag)
+            if v and key not in out:
+                out[key] = str(v)
+    return out
+
+
+def encode_segment(value: str | None) -> str:
+    if not value:
+        return "~"
+    if _PLAIN.match(value) and not value.startswith("~"):
+        return value
+    return "~" + base64.urlsafe_b64encode(value.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def decode_segment(segment: str) -> str | None:
+    if not segment.startswith("~"):
+        return segment
+    body = segment[1:]
+    if not body:
+        return None
+    return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+
+
+def rollout_base_url(base_url: str, ctx: RolloutContext | None = None) -> str:
+    """``{root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1`` for the current rollout (or ``ctx``).
+
+    Outside a rollout the base URL is returned unchanged.
+    """
+    ctx = ctx or current_rollout()
+    if ctx is None:
+        return base_url
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[:-3]
+    segs = "/".join(encode_segment(v) for v in (ctx.rollout_id, ctx.attempt_id, ctx.task_id))
+    return f"{root}/rollout/{segs}/v1"
+
+
+def parse_rollout_path(path: str) -> tuple[dict[str, str], str] | None:
+    """Split ``.../rollout/<r>/<a>/<t>/v1/chat/completions`` into (ids, ``.../v1/chat/completions``).
+
+    Returns None when the path carries no rollout segment (or a malformed one).
+    """
+    m = _PATH.match(path)
+    if m is None:
+        return None
+    try:
+        values = [decode_segment(m.group(g)) for g in ("r", "a", "t")]
+    except (ValueError, UnicodeDecodeError):
+        return None
+    ids = {k: v for k, v in zip(ID_KEYS, values, strict=True) if v}
+    if ID_KEYS[0] not in ids:
+        return None
+    return ids, (m.group("prefix") or "") + (m.group("rest") or "")

@@ -1,0 +1,166 @@
+"""``boltstream ingest otlp --topic otlp_spans``: re-emit a Collector's OTLP spans as ``Span`` records.
+
+Why: the Collector's ``kafka`` exporter is the way agents in any language (or
+apps already wired to a Collector) reach Kafka. This consumer reads that
+topic (named exactly as the Collector writes it, not namespaced), decodes
+``otlp_proto`` or ``otlp_json`` (auto-detected per message unless
+``--encoding`` says), runs every span through the same normaliser as the
+in-process exporter and produces to ``<namespace>spans`` keyed by rollout id.
+
+At-least-once: a batch's offsets are committed after every Span it produced
+(and every dead letter) is acknowledged. A message that cannot be decoded goes
+whole to ``<namespace>dlq`` as a DeadLetter with the reason and its origin.
+Consumer group: ``<namespace>otlp-ingest`` unless ``--group-id``; more
+processes in the group split the partitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+from typing import Any, ClassVar
+
+from boltstream.config import Settings, load
+
+from .consuming import DeadLetterWriter
+from .normalise import normalise
+from .otlp_decode import OtlpDecodeError, decode
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class IngestConfig:
+    """``BOLTSTREAM_INGEST_*`` knobs plus :class:`Settings`."""
+
+    env_prefix: ClassVar[str] = "BOLTSTREAM_INGEST_"
+    settings: Settings = dataclasses.field(default_factory=Settings)
+    topic: str = "otlp_spans"
+    encoding: str = "auto"
+    group_id: str | None = None
+    exit_when_idle_s: float | None = None
+
+    def __post_init__(self) -> None:
+        from boltstream.errors import ConfigError
+
+        if self.encoding not in ("auto", "otlp_proto", "otlp_json"):
+            raise ConfigError("encoding", self.encoding, "one of auto, otlp_proto, otlp_json")
+
+    @property
+    def group(self) -> str:
+        return self.group_id or f"{self.settings.namespace}otlp-ingest"
+
+
+@dataclasses.dataclass
+class IngestStats:
+    messages: int = 0
+    spans: int = 0
+    dead_letters: int = 0
+    truncated: int = 0
+
+
+class OtlpIngest:
+    def __init__(self, config: IngestConfig) -> None:
+        self.config = config
+        self.stats = IngestStats()
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> IngestStats:
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        from boltstream.kafka import consumer_kwargs, producer_kwargs
+
+        from .span_encoder import SpanRecordEncoder
+
+        settings = self.config.settings
+        encoder = SpanRecordEncoder(settings)
+        dlq = DeadLetterWriter(settings, encoder.codec, component="otlp_ingest")
+        consumer = AIOKafkaConsumer(self.config.topic, **consumer_kwargs(settings, self.config.group))
+        producer = AIOKafkaProducer(**producer_kwargs(settings, max_batch_size=settings.max_message_bytes))
+        await producer.start()
+        await consumer.start()
+        log.info("ingesting %s (%s) into %s", self.config.topic, self.config.encoding, encoder.topic)
+        idle_since = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                batches = await consumer.getmany(timeout_ms=200, max_records=500)
+                if not consumer.assignment():
+                    idle_since = time.monotonic()  # still joining the group: not idle yet
+                if not batches:
+                    limit = self.config.exit_when_idle_s
+                    if limit is not None and time.monotonic() - idle_since > limit:
+                        log.info("idle for %.1fs; exiting", limit)
+                        break
+                    continue
+                idle_since = time.monotonic()
+                futures: list[asyncio.Future[Any]] = []
+                for records in batches.values():
+                    for record in records:
+                        futures.extend(await self._one(record, encoder, producer, dlq))
+                await asyncio.gather(*futures)
+                await consumer.commit()
+        finally:
+            await consumer.stop()
+            await producer.stop()
+            await dlq.close()
+        return self.stats
+
+    async def _one(self, record: Any, encoder: Any, producer: Any, dlq: DeadLetterWriter) -> list[Any]:
+        self.stats.messages += 1
+        try:
+            if not record.value:
+                raise OtlpDecodeError("empty message")
+            spans = decode(record.value, self.config.encoding)
+            encoded = []
+            for inp in spans:
+                key, value, removed = encoder(normalise(inp))
+                if removed:
+                    self.stats.truncated += 1
+                encoded.append((key, value))
+        except Exception as exc:  # undecodable or unencodable: keep it whole, say why
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("%s[%d]@%d: %s; sent to the DLQ", record.topic, record.partition, record.offset, reason)
+            await dlq.send(record, reason)
+            self.stats.dead_letters += 1
+            return []
+        futures = [await producer.send(encoder.topic, value, key=key) for key, value in encoded]
+        self.stats.spans += len(futures)
+        return futures
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="boltstream ingest", description="Re-emit spans written by other tools.")
+    sub = p.add_subparsers(dest="source", required=True)
+    o = sub.add_parser("otlp", help="OTLP spans from an OpenTelemetry Collector's kafka exporter")
+    o.add_argument("--topic", default=None, help="topic the Collector writes (default otlp_spans)")
+    o.add_argument("--encoding", default=None, choices=("auto", "otlp_proto", "otlp_json"))
+    o.add_argument("--group-id", default=None)
+    o.add_argument("--exit-when-idle-s", type=float, default=None)
+    o.add_argument("--bootstrap-servers", default=None)
+    o.add_argument("--namespace", default=None)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = vars(_parser().parse_args(argv))
+    args.pop("source")
+    config = load(IngestConfig, args)
+    return asyncio.run(_main(config))
+
+
+async def _main(config: IngestConfig) -> int:
+    ingest = OtlpIngest(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ingest.stop)
+    stats = await ingest.run()
+    log.info("ingested %d messages: %d spans, %d dead letters, %d truncated", stats.messages, stats.spans,
+             stats.dead_letters, stats.truncated)
+    return 0

@@ -1,0 +1,106 @@
+"""``boltstream serve --model tiny`` against the real broker + S3: capture and hot reload."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from boltstream.checkpoints import publish_checkpoint, version_prefix
+from boltstream.models import byte_tokenizer, save_model_dir, tiny_model_and_tokenizer
+from boltstream.stack import run_sync
+
+HEADERS = {"X-Boltstream-Rollout-Id": "roll-1", "X-Boltstream-Attempt-Id": "task-1:0", "X-Boltstream-Task-Id": "task-1"}
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def test_openai_client_answers_are_captured_with_token_ids(settings, start_worker, spans_reader) -> None:
+    worker = start_worker()
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", default_headers=HEADERS,
+                           max_retries=0, timeout=60)
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
+    text = resp.choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.8, seed=8, stream=True) if chunk.choices)
+    by_url = openai.OpenAI(base_url=f"{worker.url}/rollout/roll-2/roll-2:0/~/v1", api_key="unused", max_retries=0)
+    other = by_url.completions.create(model="tiny", prompt="2 + 2 =", max_tokens=5, temperature=0).choices[0].text
+
+    spans = run_sync(spans_reader(settings, 3))
+    tok = byte_tokenizer()
+    got = {}
+    for key, span in spans:
+        llm = span["llm"]
+        decoded = tok.decode(llm["response_token_ids"], skip_special_tokens=True)
+        assert len(llm["response_logprobs"]) == len(llm["response_token_ids"]) > 0
+        assert key == span["rollout_id"].encode() and llm["policy_version"] == 0 and llm["model"] == "tiny"
+        got.setdefault(span["rollout_id"], []).append((decoded, span))
+    assert sorted(d for d, _ in got["roll-1"]) == sorted([text, streamed])
+    assert all(s["attempt_id"] == "task-1:0" and s["task_id"] == "task-1" for _, s in got["roll-1"])
+    (decoded, span), = got["roll-2"]
+    assert decoded == other and span["attempt_id"] == "roll-2:0" and span["task_id"] is None
+    assert span["name"] == "text_completion tiny"
+
+
+def _ask(http: httpx.Client) -> dict[str, Any]:
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 16,
+                                                "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _publish(settings, s3_client, tmp_path: Path, version: int, seed: int) -> dict[str, Any]:
+    model, tok = tiny_model_and_tokenizer(seed)
+    local = save_model_dir(model, tok, tmp_path / f"v{version}")
+    return publish_checkpoint(s3_client, settings.s3_bucket, f"{settings.namespace}run", version, local,
+                              kind="full", base_model="tiny", learner_step=version * 10, model_name="tiny")
+
+
+def _greedy_ids(seed: int, prompt_ids: list[int]) -> list[int]:
+    import torch
+
+    model, _ = tiny_model_and_tokenizer(seed)
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(16):
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt in (256, 258):
+                break
+    return ids[len(prompt_ids):]
+
+
+def test_checkpoint_reload_and_corrupt_checkpoint_refused(settings, start_worker, s3_client, announcer,
+                                                          spans_reader, tmp_path: Path) -> None:
+    worker = start_worker()
+    with httpx.Client(base_url=worker.url, timeout=90) as http:
+        v0 = _ask(http)
+        prompt_ids = v0["prompt_token_ids"]
+        assert v0["choices"][0]["token_ids"] == _greedy_ids(0, prompt_ids)
+
+        run_sync(announcer(settings, _publish(settings, s3_client, tmp_path, 2, seed=7)))
+        health = http.get("/health", params={"min_version": 2, "timeout": 60}).json()
+        assert health["policy_version"] == 2 and health["reloads"] == 1, health
+        assert http.get("/v1/models").json()["data"][0]["policy_version"] == 2
+        v2 = _ask(http)
+        assert v2["choices"][0]["token_ids"] == _greedy_ids(7, prompt_ids) != v0["choices"][0]["token_ids"]
+        assert v2["system_fingerprint"] == "boltstream-v2"
+
+        event = _publish(settings, s3_client, tmp_path, 3, seed=8)
+        key = version_prefix(f"{settings.namespace}run", 3) + "model.safetensors"
+        data = bytearray(s3_client.get_object(settings.s3_bucket, key).read())
+        data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+        s3_client.put_object(settings.s3_bucket, key, io.BytesIO(bytes(data)), length=len(data))
+        run_sync(announcer(settings, event))
+        health = http.get("/health", params={"min_failures": 1, "timeout": 60}).json()
+        assert health["reload_failures"] == 1 and health["policy_version"] == 2, health
+        assert "model.safetensors" in health["last_reload_error"] and "sha256" in health["last_reload_error"]
+        assert _ask(http)["choices"][0]["token_ids"] == v2["choices"][0]["token_ids"]
+        metrics = http.get("/metrics").text
+        assert 'boltstream_inference_policy_version{model="tiny"} 2.0' in metrics
+        assert "boltstream_inference_reload_failures_total 1.0" in metrics
+
+    versions = [s["llm"]["policy_version"] for _, s in run_sync(spans_reader(settings, 3))]
+    assert sorted(versions) == [0, 2, 2]
