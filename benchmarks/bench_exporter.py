@@ -40,14 +40,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
-from boltstream.producers.tracing import install_rollout_processor
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import boltstream
+from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+from boltstream.producers.tracing import install_rollout_processor
 from boltstream.stack import embedded_stack, free_port
 
 RESULTS = Path(__file__).parent / "results"
@@ -149,6 +149,7 @@ def main() -> int:
     ap.add_argument("--paced-spans", type=int, default=5_000, help="spans per run with agent think time")
     ap.add_argument("--pause-ms", type=float, default=2.0, help="agent think time between rollouts (5 spans)")
     args = ap.parse_args()
+    load_at_start = list(os.getloadavg())  # other processes on the box skew every number: recorded
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.DEVNULL)
     devnull = open(os.devnull, "w")
@@ -230,7 +231,8 @@ def main() -> int:
         "spans_per_s_ge_20000": t["boltstream"] >= 20_000,
         "small_spans_per_s_ge_20000": results["throughput_small_spans_spans_per_s"]["boltstream"] >= 20_000,
     }
-    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                          "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
     results["params"] = {"spans": args.spans, "repeats": args.repeats, "batch": BATCH,
                          "mix": "per rollout: 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs)"}
     RESULTS.mkdir(exist_ok=True)

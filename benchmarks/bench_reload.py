@@ -33,13 +33,13 @@ from typing import Any
 
 import httpx
 from aiokafka import AIOKafkaProducer
-from boltstream.inference.launch import WorkerProcess
-from boltstream.schemas import Codec
 
 from boltstream import s3
 from boltstream.checkpoints import announce_checkpoint, prune_checkpoints, publish_checkpoint
+from boltstream.inference.launch import WorkerProcess
 from boltstream.kafka import producer_kwargs
 from boltstream.models import load_model, model_dir
+from boltstream.schemas import Codec
 from boltstream.stack import embedded_stack, settings_env
 
 RESULTS = Path(__file__).parent / "results"

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from boltstream.inference.launch import WorkerProcess
 
+from boltstream.inference.launch import WorkerProcess
 from boltstream.models import model_dir
 from boltstream.stack import embedded_stack, settings_env
 

@@ -111,8 +111,8 @@ def build_backend(cfg: ServeConfig) -> Any:
 
         return VllmBackend.create(cfg)
     import transformers
-    from boltstream.inference.transformers_backend import TransformersBackend
 
+    from boltstream.inference.transformers_backend import TransformersBackend
     from boltstream.models import load_model
 
     transformers.utils.logging.disable_progress_bar()

@@ -4,7 +4,8 @@ Why no consumer group: every worker must see every event (a group would hand
 each event to one worker only). Each worker assigns itself all partitions,
 reads the topic from the beginning up to its true end at startup (the topic
 is compacted, so this is short) to find the newest version for its model,
-loads that, then follows new events. Only versions newer than the one being
+loads that (falling back to older announced versions if it is refused), then
+follows new events. Only versions newer than the one being
 served are applied; when several arrive at once only the newest is loaded.
 
 A checkpoint that fails anywhere (missing manifest, a file whose sha256 or
@@ -22,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from boltstream.checkpoints import fetch_checkpoint
 from boltstream.inference.backend import Backend
 from boltstream.inference.service import Metrics
-
-from boltstream.checkpoints import fetch_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,8 @@ class CheckpointFollower:
         codec: Any = None,
         s3_client: Any = None,
     ) -> None:
-        from boltstream.schemas import Codec
-
         from boltstream import s3
+        from boltstream.schemas import Codec
 
         self.settings = settings
         self.backend = backend
@@ -121,51 +120,49 @@ class CheckpointFollower:
             await self._consumer.stop()
             self._consumer = None
 
-    def _relevant(self, records: list[Any]) -> dict[str, Any] | None:
-        """The newest event for our model among ``records`` that is newer than what we serve."""
-        best: dict[str, Any] | None = None
+    def _relevant(self, records: list[Any]) -> list[dict[str, Any]]:
+        """Events for our model among ``records`` newer than what we serve, newest first, one per version."""
+        by_version: dict[int, dict[str, Any]] = {}
         for rec in records:
             try:
                 event = self.codec.decode(rec.value, topic=self.topic, expect="CheckpointEvent")
             except Exception as exc:  # a foreign or corrupt record must not stop reloads
                 log.warning("skipping undecodable record %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
                 continue
-            if event["model"] != self.model_name or event["version"] <= self.backend.policy_version:
-                continue
-            if best is None or event["version"] > best["version"]:
-                best = event
-        return best
+            if event["model"] == self.model_name and event["version"] > self.backend.policy_version:
+                by_version[int(event["version"])] = event  # a later record of a version wins
+        return [by_version[v] for v in sorted(by_version, reverse=True)]
+
+    async def _caught_up(self, tps: list[Any], ends: dict[Any, int]) -> bool:
+        for tp in tps:
+            if await self._consumer.position(tp) < ends[tp]:
+                return False
+        return True
 
     async def _run(self, tps: list[Any]) -> None:
         from boltstream.kafka import log_end_offsets
 
         ends = await log_end_offsets(self.settings, tps)
-        pending: dict[str, Any] | None = None
-        while not self.status.caught_up:
-            for tp in tps:
-                if await self._consumer.position(tp) >= ends[tp]:
-                    continue
-                break
-            else:
-                self.status.caught_up = True
-                break
+        history: list[Any] = []
+        while not await self._caught_up(tps, ends):
             batches = await self._consumer.getmany(timeout_ms=500)
-            found = self._relevant([r for recs in batches.values() for r in recs])
-            if found and (pending is None or found["version"] > pending["version"]):
-                pending = found
-        if pending is not None:
-            await self._apply(pending)
-        else:
-            await self.status.notify()
+            history += [r for recs in batches.values() for r in recs]
+        self.status.caught_up = True
+        # Newest first; a refused version (pruned files, corruption) falls back to the one before it.
+        for event in self._relevant(history):
+            if await self._apply(event):
+                break
+        await self.status.notify()
         log.info("following %s for model %r from policy version %d", self.topic, self.model_name,
                  self.backend.policy_version)
         while True:
             batches = await self._consumer.getmany(timeout_ms=1000)
-            event = self._relevant([r for recs in batches.values() for r in recs])
-            if event is not None:
-                await self._apply(event)
+            events = self._relevant([r for recs in batches.values() for r in recs])
+            if events:
+                await self._apply(events[0])
 
-    async def _apply(self, event: dict[str, Any]) -> None:
+    async def _apply(self, event: dict[str, Any]) -> bool:
+        """Fetch, verify and load one version; False (logged, counted) when it was refused."""
         version, kind = int(event["version"]), str(event.get("kind") or "full")
         t0 = time.perf_counter()
         dest = self.workdir / f"v{version}"
@@ -183,20 +180,22 @@ class CheckpointFollower:
             log.error("refused checkpoint %s v%d (%s): %s; still serving v%d", self.model_name, version,
                       event.get("manifest_uri"), exc, self.backend.policy_version)
             shutil.rmtree(dest, ignore_errors=True)
-        else:
-            elapsed = time.perf_counter() - t0
-            self.status.reloads += 1
-            self.status.last_error = None
-            self.status.last_reload_seconds = elapsed
-            self.status.last_fetch_seconds = fetched - t0
-            if self.metrics:
-                self.metrics.reloads.labels(kind).inc()
-                self.metrics.reload_seconds.labels(kind).observe(elapsed)
-                self.metrics.set_version(version)
-            log.info("reloaded %s v%d (%s) in %.3fs (download + verify %.3fs, load %.3fs)", self.model_name,
-                     version, kind, elapsed, fetched - t0, elapsed - (fetched - t0))
-            self._cleanup(keep=dest)
+            await self.status.notify()
+            return False
+        elapsed = time.perf_counter() - t0
+        self.status.reloads += 1
+        self.status.last_error = None
+        self.status.last_reload_seconds = elapsed
+        self.status.last_fetch_seconds = fetched - t0
+        if self.metrics:
+            self.metrics.reloads.labels(kind).inc()
+            self.metrics.reload_seconds.labels(kind).observe(elapsed)
+            self.metrics.set_version(version)
+        log.info("reloaded %s v%d (%s) in %.3fs (download + verify %.3fs, load %.3fs)", self.model_name,
+                 version, kind, elapsed, fetched - t0, elapsed - (fetched - t0))
+        self._cleanup(keep=dest)
         await self.status.notify()
+        return True
 
     def _cleanup(self, keep: Path) -> None:
         """Drop downloaded versions other than the one just loaded (weights live in memory now)."""

@@ -21,16 +21,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from boltstream.inference.backend import Backend
-from boltstream.inference.capture import ROLLOUT_ID, CallContext, SpanSink
-from boltstream.inference.protocol import ApiError, error_body, parse_json
-from boltstream.inference.reload import CheckpointFollower, ReloadStatus
-from boltstream.inference.service import CompletionService, Metrics
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from boltstream.inference.backend import Backend
+from boltstream.inference.capture import ROLLOUT_ID, CallContext, SpanSink
+from boltstream.inference.protocol import ApiError, error_body, parse_json
+from boltstream.inference.reload import CheckpointFollower, ReloadStatus
+from boltstream.inference.service import CompletionService, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from boltstream.inference import protocol as P
-from boltstream.inference.backend import Backend, Completion, Generation
-from boltstream.inference.capture import CallContext, SpanSink, build_llm_span
-from boltstream.inference.chat import parse_tool_calls, render_prompt, validate_tools
-from boltstream.inference.protocol import ApiError
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,6 +28,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from boltstream.inference import protocol as P
+from boltstream.inference.backend import Backend, Completion, Generation
+from boltstream.inference.capture import CallContext, SpanSink, build_llm_span
+from boltstream.inference.chat import parse_tool_calls, render_prompt, validate_tools
+from boltstream.inference.protocol import ApiError
 
 log = logging.getLogger(__name__)
 

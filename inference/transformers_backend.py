@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from boltstream.errors import CheckpointError
 from boltstream.inference.backend import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -38,8 +39,6 @@ from boltstream.inference.backend import (
     TokenCallback,
     cut_at_stop,
 )
-
-from boltstream.errors import CheckpointError
 from boltstream.models import stop_token_ids
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from boltstream.inference.backend import FINISH_LENGTH, Completion, Generation, SamplingParams, TokenCallback
-
 from boltstream.errors import BoltstreamError, CheckpointError
+from boltstream.inference.backend import FINISH_LENGTH, Completion, Generation, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
     """boltstream's coarse span kind: rollout, reward, llm, tool, agent, chain, ... or None if unknown."""
     if name == "boltstream.rollout":
         return "rollout"
-    if name == "boltstream.reward" or _agl_reward(attrs) is not None:
+    if name == "boltstream.reward":
         return "reward"
     oi = attrs.get("openinference.span.kind")
     if isinstance(oi, str) and oi:
@@ -92,6 +92,8 @@ def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
         return tl.lower()
     if isinstance(attrs.get("llm.request.type"), str):
         return "llm"
+    if _agl_reward(attrs) is not None:
+        return "reward"
     if first(attrs, PROMPT_IDS + RESPONSE_IDS) is not None or VLLM_CHOICES in attrs:
         return "llm"
     return None

@@ -220,9 +220,9 @@ class Runner:
 
     async def run(self) -> int:
         from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-        from boltstream.schemas import Codec
 
         from boltstream.kafka import consumer_kwargs
+        from boltstream.schemas import Codec
 
         from .exporter import KafkaSpanExporter
         from .tracing import setup_tracing

@@ -119,9 +119,9 @@ async def publish(settings: Settings, tasks: list[TaskLine], *, split: str | Non
                   group_size: int | None = None) -> int:
     """Produce Task records keyed by task id and wait for every ack; returns how many were acked."""
     from aiokafka import AIOKafkaProducer
-    from boltstream.schemas import Codec
 
     from boltstream.kafka import producer_kwargs
+    from boltstream.schemas import Codec
 
     codec = Codec.from_registry_url(settings.schema_registry_url)
     topic = settings.topic("tasks")

@@ -12,6 +12,7 @@ OpenAI-compatible endpoint and it runs.
 from __future__ import annotations
 
 import ast
+import os
 import operator
 import re
 
@@ -76,7 +77,7 @@ def run_agent(client: OpenAI, question: str, model: str, temperature: float = 1.
     messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(
-            model=model, messages=messages, temperature=temperature, max_tokens=24
+            model=model, messages=messages, temperature=temperature, max_tokens=24, stop=["\n"]
         )
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
@@ -98,3 +99,19 @@ def reward(answer: str | None, expected: float) -> float:
         return 1.0 if abs(float(answer) - float(expected)) < 1e-6 else 0.0
     except ValueError:
         return 0.0
+
+
+def solve(task: dict, ctx) -> float:
+    """Entry point for ``boltstream runner --agent examples.calc.agent:solve``.
+
+    ``ctx`` carries the inference endpoint and the rollout's headers; the agent
+    itself is the plain OpenAI-SDK code above.
+    """
+    client = OpenAI(base_url=ctx.base_url, api_key="unused", default_headers=ctx.headers, max_retries=0)
+    answer = run_agent(
+        client,
+        task["question"],
+        model=os.environ.get("CALC_MODEL", "policy"),
+        temperature=float(os.environ.get("CALC_TEMPERATURE", "0.7")),
+    )
+    return reward(answer, task["answer"])

@@ -24,7 +24,6 @@ if __name__ == "__main__" and str(_ROOT) not in sys.path:  # run as a script: ma
 
 from boltstream.schemas import Codec, InMemorySchemaRegistry  # noqa: E402
 from boltstream.schemas.loader import default_catalog, snake_case  # noqa: E402
-
 from tests.unit.schemas.examples import EXAMPLES  # noqa: E402
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import minio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from boltstream.schemas import Codec
 
 from boltstream import stack as stack_mod
 from boltstream.config import TOPICS, Settings
 from boltstream.kafka import consumer_kwargs, log_end_offsets, producer_kwargs
+from boltstream.schemas import Codec
 from boltstream.topics import describe_topics, ensure_topics, list_topics
 
 

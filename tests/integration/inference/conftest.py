@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from boltstream.inference.launch import WorkerProcess
-from boltstream.schemas import Codec
 
 from boltstream.checkpoints import announce_checkpoint
 from boltstream.config import Settings
+from boltstream.inference.launch import WorkerProcess
 from boltstream.kafka import consumer_kwargs, producer_kwargs
+from boltstream.schemas import Codec
 
 START_TIMEOUT = 90.0
 

@@ -104,3 +104,10 @@ def test_checkpoint_reload_and_corrupt_checkpoint_refused(settings, start_worker
 
     versions = [s["llm"]["policy_version"] for _, s in run_sync(spans_reader(settings, 3))]
     assert sorted(versions) == [0, 2, 2]
+
+    # A worker started now catches up from the topic: newest (v3) refused, so it falls back to v2.
+    late = start_worker()
+    with httpx.Client(base_url=late.url, timeout=90) as http:
+        health = http.get("/health", params={"min_version": 2, "timeout": 60}).json()
+        assert health["policy_version"] == 2 and health["reload_failures"] == 1, health
+        assert _ask(http)["choices"][0]["token_ids"] == v2["choices"][0]["token_ids"]

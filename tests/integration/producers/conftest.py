@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from boltstream.schemas import Codec
 
 from boltstream.config import Settings
 from boltstream.kafka import consumer_kwargs, wait_for_broker
+from boltstream.schemas import Codec
 from boltstream.stack import free_port, run_sync
 from boltstream.topics import ensure_topics
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
 
 BUFFER = 200
 PHASE1 = 50

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from boltstream.producers.exporter import KafkaSpanExporter
-from boltstream.producers.tracing import install_rollout_processor
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 import boltstream
 from boltstream.config import Settings
+from boltstream.producers.exporter import KafkaSpanExporter
+from boltstream.producers.tracing import install_rollout_processor
 
 
 class Weird:

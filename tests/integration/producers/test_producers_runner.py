@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from boltstream.producers.context import ROLLOUT_NAMESPACE
 
 from boltstream.config import Settings
 from boltstream.kafka import producer_kwargs
+from boltstream.producers.context import ROLLOUT_NAMESPACE
 from boltstream.stack import run_sync
 
 AGENT = '''

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+
 from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import create_app
 from boltstream.inference.transformers_backend import TransformersBackend
-from fastapi.testclient import TestClient
-
 from boltstream.models import tiny_model_and_tokenizer
 
 MAX_CONTEXT = 1024

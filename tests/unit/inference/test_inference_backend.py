@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from boltstream.inference.backend import SamplingParams
-from boltstream.inference.transformers_backend import TransformersBackend
 
 from boltstream.errors import CheckpointError
+from boltstream.inference.backend import SamplingParams
+from boltstream.inference.transformers_backend import TransformersBackend
 from boltstream.models import save_model_dir, tiny_model_and_tokenizer
 
 PROMPT = list(b"<|im_start|>user\nhi<|im_end|>\n")

@@ -6,10 +6,11 @@ from typing import Any
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
+
 from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import create_app
 from boltstream.inference.transformers_backend import TransformersBackend
-from fastapi.testclient import TestClient
 
 
 def _error(r: Any, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from boltstream.inference.chat import parse_tool_calls, render_prompt, template_supports_tools
 from boltstream.inference.protocol import ApiError, TextStream
-
 from boltstream.models import (
     byte_tokenizer,
     load_model,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fastapi.testclient import TestClient
+
 from boltstream.inference.capture import MemorySpanSink, span_key
 from boltstream.inference.server import rollout_ids_from_path
-from fastapi.testclient import TestClient
 
 ROLLOUT = {"X-Boltstream-Rollout-Id": "r-1", "X-Boltstream-Attempt-Id": "t-1:0", "X-Boltstream-Task-Id": "t-1"}
 

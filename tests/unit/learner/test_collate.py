@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from boltstream.learner.collate import (
     collate,
     micro_batches,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from boltstream.learner.losses import (
     aggregate_loss,
     entropy_from_logits,

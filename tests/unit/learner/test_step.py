@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+
 from boltstream.learner.step import (
     StepConfig,
     accumulate_gradients,
@@ -16,7 +18,6 @@ from boltstream.learner.step import (
     with_model_logprobs,
 )
 from boltstream.learner.tiny import random_samples, tiny_llama
-from peft import LoraConfig, get_peft_model
 
 VOCAB = 64
 

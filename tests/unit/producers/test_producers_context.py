@@ -10,6 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import boltstream
 from boltstream.producers.context import (
     ROLLOUT_NAMESPACE,
     RolloutTimeout,
@@ -28,11 +33,6 @@ from boltstream.producers.headers import (
     rollout_headers,
 )
 from boltstream.producers.tracing import install_rollout_processor
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-import boltstream
 
 
 @pytest.fixture
@@ -240,3 +240,27 @@ def test_agent_name_on_the_root(traced: tuple[TracerProvider, InMemorySpanExport
     solver({"id": "b"})
     names = sorted(s.attributes["boltstream.agent_name"] for s in by_name(mem, "boltstream.rollout"))
     assert names == ["planner", "solver"]
+
+
+def test_setup_tracing_installs_or_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry import trace
+
+    from boltstream.producers import tracing
+
+    existing = TracerProvider()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: existing)
+    assert tracing.setup_tracing() is existing
+    assert getattr(existing, "_boltstream_rollout_processor", False)
+
+    installed: list[Any] = []
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: installed[-1] if installed else trace.ProxyTracerProvider())
+    monkeypatch.setattr(trace, "set_tracer_provider", installed.append)
+    mem = InMemorySpanExporter()
+    provider = tracing.setup_tracing(exporter=mem, service_name="svc", schedule_delay_ms=10)
+    assert installed == [provider] and provider.resource.attributes["service.name"] == "svc"
+    with rollout("s", tracer_provider=provider):
+        provider.get_tracer("x").start_span("inner").end()
+    provider.force_flush()
+    assert {s.name for s in mem.get_finished_spans()} == {"inner", "boltstream.rollout"}
+    assert all(s.attributes["boltstream.task_id"] == "s" for s in mem.get_finished_spans())
+    provider.shutdown()

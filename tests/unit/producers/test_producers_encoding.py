@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+
 from boltstream.producers.span_encoder import FastSpanEncoder, sample_record
 from boltstream.producers.truncate import TRUNCATED, TRUNCATED_FIELDS, fit
 from boltstream.schemas import Codec, InMemorySchemaRegistry

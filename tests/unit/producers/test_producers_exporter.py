@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, MessageSizeTooLargeError
-from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
-from boltstream.schemas import Codec
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from boltstream.config import Settings
+from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+from boltstream.schemas import Codec
 
 
 class FakeBroker:

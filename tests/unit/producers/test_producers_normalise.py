@@ -8,15 +8,16 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from boltstream.producers import genai
-from boltstream.producers.attributes import attr_value, convert_attributes, float_array, int_array
-from boltstream.producers.normalise import SpanInput, SpanNormaliser, normalise, normalise_span
-from boltstream.schemas import Codec
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
+
+from boltstream.producers import genai
+from boltstream.producers.attributes import attr_value, convert_attributes, float_array, int_array
+from boltstream.producers.normalise import SpanInput, SpanNormaliser, normalise, normalise_span
+from boltstream.schemas import Codec
 
 
 class Odd:

@@ -7,8 +7,6 @@ import json
 from typing import Any
 
 import pytest
-from boltstream.producers.normalise import normalise, normalise_span
-from boltstream.producers.otlp_decode import OtlpDecodeError, decode, detect
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
@@ -16,6 +14,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from boltstream.producers.normalise import normalise, normalise_span
+from boltstream.producers.otlp_decode import OtlpDecodeError, decode, detect
 
 
 def sdk_spans() -> list[ReadableSpan]:

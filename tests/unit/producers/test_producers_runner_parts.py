@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from boltstream.errors import ConfigError
 from boltstream.producers.agent import AgentInvoker, load_agent, wants_context
 from boltstream.producers.consuming import OffsetTracker
 from boltstream.producers.context import RolloutContext, RolloutTimeout
 from boltstream.producers.runner import RunnerConfig
 from boltstream.producers.tasks import read_rows, validate
-
-from boltstream.errors import ConfigError
 
 
 def test_only_the_contiguous_finished_prefix_is_committable() -> None:

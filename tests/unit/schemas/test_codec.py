@@ -8,10 +8,10 @@ from io import BytesIO
 from typing import Any
 
 import pytest
-from boltstream.schemas import RECORDS, Codec, InMemorySchemaRegistry, SchemaError
-from boltstream.schemas.loader import default_catalog
 from fastavro import schemaless_writer
 
+from boltstream.schemas import RECORDS, Codec, InMemorySchemaRegistry, SchemaError
+from boltstream.schemas.loader import default_catalog
 from tests.golden.regenerate import GOLDEN_SCHEMA_IDS, TOPICS, golden_bytes, golden_path, golden_registry
 from tests.unit.schemas.examples import EXAMPLES, MINIMAL
 

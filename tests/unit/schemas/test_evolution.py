@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from boltstream.schemas import Codec, InMemorySchemaRegistry, SchemaError
 from boltstream.schemas.loader import default_catalog
-
 from tests.unit.schemas.examples import EXAMPLES
 
 ADDED_FIELDS = [

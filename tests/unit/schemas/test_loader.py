@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from fastavro.schema import to_parsing_canonical_form
+
 from boltstream.schemas import RECORDS, SchemaCatalog, SchemaError, load_schema
 from boltstream.schemas.loader import crc64_avro_fingerprint, default_catalog, snake_case
-from fastavro.schema import to_parsing_canonical_form
 
 SCHEMAS_DIR = Path(__file__).resolve().parents[3] / "schemas"
 

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from boltstream.schemas import Codec, HttpSchemaRegistry, InMemorySchemaRegistry, SchemaError, SchemaRegistry
 
+from boltstream.schemas import Codec, HttpSchemaRegistry, InMemorySchemaRegistry, SchemaError, SchemaRegistry
 from tests.unit.schemas.examples import EXAMPLES
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from boltstream.streams import (
     DEFAULT_AIR_RULES,
     AirRule,
@@ -13,7 +14,6 @@ from boltstream.streams import (
     assemble_trajectory,
     evaluate_air,
 )
-
 from tests.unit.streams.factory import llm_span, reward_span, root_span, span, tool_span
 
 CALLS = [CallRef("c1", 200), CallRef("c2", 500)]

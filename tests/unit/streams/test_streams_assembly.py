@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from boltstream.schemas import Codec
 from boltstream.streams import (
     VIRTUAL_ROOT_ID,
@@ -12,7 +13,6 @@ from boltstream.streams import (
     assemble_trajectory_with_stats,
     build_span_tree,
 )
-
 from tests.unit.streams.factory import agent_span, llm_span, reward_span, root_span, span, tool_span
 
 NO_AIR = AssemblyConfig(air_rules=())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from boltstream.streams import (
     CreditConfig,
     discounted_returns,
@@ -18,7 +19,6 @@ from boltstream.streams import (
     rollout_returns,
     step_rewards,
 )
-
 from tests.unit.streams.factory import trajectory, turn
 
 

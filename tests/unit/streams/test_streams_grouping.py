@@ -6,6 +6,7 @@ import logging
 import math
 
 import pytest
+
 from boltstream.schemas import Codec
 from boltstream.streams import (
     CreditConfig,
@@ -15,7 +16,6 @@ from boltstream.streams import (
     estimate_sample_bytes,
     split_samples,
 )
-
 from tests.unit.streams.factory import trajectory, turn
 
 

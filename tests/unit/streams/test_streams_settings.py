@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from boltstream.streams import DEFAULT_AIR_RULES, AirRule, AssemblyConfig, CreditConfig
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from boltstream.schemas import Codec
 from boltstream.streams.spans import (
     attr,
@@ -19,7 +20,6 @@ from boltstream.streams.spans import (
     reward_of,
     span_ids,
 )
-
 from tests.unit.streams.factory import llm_span, reward_span, root_span, span, tool_span
 
 

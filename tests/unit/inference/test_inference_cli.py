@@ -1,0 +1,40 @@
+"""``boltstream serve`` configuration and the optional vLLM engine's import guard."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from boltstream.config import load
+from boltstream.errors import BoltstreamError, ConfigError
+from boltstream.inference.cli import ServeConfig, _parser
+
+
+def _cfg(argv: list[str], env: dict[str, str] | None = None) -> ServeConfig:
+    return load(ServeConfig, explicit=vars(_parser().parse_args(argv)), env=env or {}, state_file="/nonexistent")
+
+
+def test_flags_env_and_defaults() -> None:
+    cfg = _cfg(["--model", "tiny", "--port", "0", "--no-capture"], env={"BOLTSTREAM_SERVE_MAX_BATCH_SIZE": "4",
+                                                                    "BOLTSTREAM_BOOTSTRAP_SERVERS": "h:1"})
+    assert (cfg.model, cfg.port, cfg.capture, cfg.reload, cfg.max_batch_size) == ("tiny", 0, False, True, 4)
+    assert cfg.settings.bootstrap_servers == "h:1" and cfg.name == "tiny"
+    assert _cfg([]).model == "smollm2" and _cfg([]).backend == "transformers"
+    assert _cfg(["--model", "/models/SmolLM2-360M.gguf"]).name == "SmolLM2-360M"
+    assert _cfg(["--model", "/models/qwen", "--served-model-name", "policy"]).name == "policy"
+
+
+def test_invalid_config_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        _cfg(["--port", "70000"])
+    with pytest.raises(ConfigError):
+        _cfg([], env={"BOLTSTREAM_SERVE_BACKEND": "tensorrt"})
+
+
+def test_vllm_backend_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from boltstream.inference.vllm_backend import VllmBackend
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(BoltstreamError, match=r"boltstream\[vllm\]"):
+        VllmBackend.create(_cfg(["--backend", "vllm", "--model", "tiny"]))
