@@ -255,7 +255,12 @@ class CompletionService:
                 k, tok, lp = events.get_nowait()
                 pending_lp[k].append((tok, lp))
                 streams[k].push(tok)
-            gens: list[Generation] = list(done.result())
+            try:
+                gens: list[Generation] = list(done.result())
+            except Exception as exc:  # headers are sent: report in-band, like OpenAI does
+                log.exception("generation failed mid-stream")
+                yield _sse(P.error_body(f"generation failed: {exc}", "server_error", None, "internal_error"))
+                return
             completions = [c for g in gens for c in g.completions]
             for k, c in enumerate(completions):
                 if buffer_text:

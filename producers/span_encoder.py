@@ -130,6 +130,7 @@ class FastSpanEncoder:
         self._llm_fields = [(f["name"], _field_writer(f["type"]), f.get("default")) for f in llm_schema["fields"]]
         self._map_cache: dict[int, tuple[Mapping[str, Any], bytes]] = {}
         self._keys: dict[str, bytes] = {}
+        self._strings: dict[str, bytes] = {}
 
     @classmethod
     def create(cls, codec: Any, topic: str | None = None) -> FastSpanEncoder | None:
@@ -224,18 +225,34 @@ class FastSpanEncoder:
             self._map_cache[id(m)] = hit
         w(hit[1])
 
+    def _s(self, v: str) -> bytes:
+        """Length-prefixed UTF-8 of a string that repeats across spans (names, kinds, ids): cached."""
+        b = self._strings.get(v)
+        if b is None:
+            raw = v.encode("utf-8")
+            b = _long(len(raw)) + raw
+            if len(self._strings) > 20_000:
+                self._strings.clear()
+            self._strings[v] = b
+        return b
+
+    def _os(self, v: str | None) -> bytes:
+        """The ``["null", "string"]`` union of a repeating string."""
+        return b"\x00" if v is None else b"\x02" + self._s(v)
+
     def encode_body(self, r: Mapping[str, Any]) -> bytes:
         parts: list[bytes] = []
         w = parts.append
-        _str(r["trace_id"], w)
+        s, os_ = self._s, self._os
+        w(s(r["trace_id"]))
         _str(r["span_id"], w)
-        self._opt_str(r.get("parent_span_id"), w)
-        _str(r["name"], w)
-        _str(r.get("kind") or "INTERNAL", w)
+        w(os_(r.get("parent_span_id")))
+        w(s(r["name"]))
+        w(s(r.get("kind") or "INTERNAL"))
         w(_long(r["start_time_ns"]))
         w(_long(r["end_time_ns"]))
         st = r.get("status") or {}
-        _str(st.get("code") or "UNSET", w)
+        w(s(st.get("code") or "UNSET"))
         self._opt_str(st.get("message"), w)
         self._map(r.get("attributes") or {}, w)
         events = r.get("events") or ()
@@ -252,10 +269,11 @@ class FastSpanEncoder:
             w(b"\x00")
         else:
             w(b"\x02")
-            _str(scope["name"], w)
-            self._opt_str(scope.get("version"), w)
-        for fld in ("rollout_id", "attempt_id", "task_id"):
-            self._opt_str(r.get(fld), w)
+            w(s(scope["name"]))
+            w(os_(scope.get("version")))
+        w(os_(r.get("rollout_id")))
+        w(os_(r.get("attempt_id")))
+        w(os_(r.get("task_id")))
         llm = r.get("llm")
         if llm is None:
             w(b"\x00")

@@ -1,0 +1,206 @@
+"""Run the whole loop for one agent: workers, stream app, learner, runners, evaluation.
+
+Every component runs as its own ``boltstream ...`` process, exactly as a user
+would run them by hand or in docker compose, so the demo exercises the real
+topics, the real checkpoint path and the real reload. This module only starts,
+watches and stops them; it holds no training logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from boltstream.config import Settings
+from boltstream.errors import BoltstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """One training run of one agent."""
+
+    agent: str
+    train: Path
+    test: Path
+    out: Path
+    model: str = "smollm2"
+    lora: bool = True
+    group_size: int = 4
+    groups_per_step: int = 4
+    steps: int = 8
+    time_budget_s: float = 840.0
+    runner_workers: int = 8
+    eval_samples: int = 2
+    eval_tasks: int | None = None
+    lr: float = 2e-4
+    agent_match: str | None = None
+    air_rules: Path | None = None
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "groups_per_step", "steps", "runner_workers", "eval_samples"):
+            if getattr(self, name) < 1:
+                raise BoltstreamError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("train", "test"):
+            if not Path(getattr(self, name)).is_file():
+                raise BoltstreamError(f"--{name}: no such file {getattr(self, name)}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Child processes with logs in one folder; stops every one of them, always."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "boltstream.cli", *args]
+        logf = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        log.info("starting %s: %s", name, " ".join(args))
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        logf.close()
+        self.procs[name] = proc
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() not in (None, 0):
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise BoltstreamError(f"{name} exited with {proc.returncode}; last log lines:\n{tail}")
+
+    def stop(self, name: str, timeout: float = 20.0) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs)[::-1]:
+            self.stop(name)
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, procs: Processes | None = None) -> Any:
+    """Poll ``cond`` until it returns a truthy value; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while time.monotonic() < deadline:
+        if procs is not None:
+            procs.check()
+        value = cond()
+        if value:
+            return value
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+    raise BoltstreamError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def http_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def worker_version(port: int) -> int | None:
+    health = http_json(f"http://127.0.0.1:{port}/health")
+    if not health:
+        return None
+    v = health.get("policy_version")
+    return int(v) if v is not None else None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return rows
+
+
+def load_tasks(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return tasks[:limit] if limit else tasks
+
+
+def mean_and_se(per_task: list[float]) -> tuple[float, float]:
+    """Mean over tasks and its standard error (tasks are the independent units)."""
+    n = len(per_task)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(per_task) / n
+    if n == 1:
+        return mean, 0.0
+    var = sum((x - mean) ** 2 for x in per_task) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url: str, samples: int,
+             threads: int = 8) -> dict[str, Any]:
+    """Held-out score: mean reward per task over ``samples`` attempts, then mean and SE over tasks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from boltstream.producers.context import RolloutContext
+
+    def one(task: dict[str, Any], k: int) -> float:
+        ctx = RolloutContext(rollout_id=f"eval-{task.get('id')}-{k}", attempt_id=f"eval:{k}",
+                             task_id=str(task.get("id")), attempt=k, task=task, base_url=base_url)
+        try:
+            value = agent_fn(task, ctx)
+        except Exception as exc:  # an agent failure scores 0 in evaluation, and is logged
+            log.warning("eval attempt failed on task %s: %s", task.get("id"), exc)
+            return 0.0
+        if isinstance(value, dict):
+            value = next(iter(value.values()), 0.0)
+        return float(value or 0.0)
+
+    jobs = [(t, k) for t in tasks for k in range(samples)]
+    with ThreadPoolExecutor(threads) as pool:
+        scores = list(pool.map(lambda job: one(*job), jobs))
+    per_task = [sum(scores[i * samples:(i + 1) * samples]) / samples for i in range(len(tasks))]
+    mean, se = mean_and_se(per_task)
+    return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples, "per_task": per_task}
+
+
+def component_env(settings: Settings, state_file: Path | None, extra: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    from boltstream.stack import settings_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
+    env.update(settings_env(settings, state_file))
+    if settings.schema_registry_url:
+        env["BOLTSTREAM_SCHEMA_REGISTRY_URL"] = settings.schema_registry_url
+    env.update(dict(extra))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

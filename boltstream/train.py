@@ -1,0 +1,212 @@
+"""``boltstream train``: the whole loop for your own agent, and the engine behind ``boltstream demo``.
+
+It evaluates the served policy on held-out tasks, trains through the real
+pipeline (runners -> spans -> stream app -> batches -> learner -> checkpoints
+-> worker reload) until the learner has taken ``--steps`` steps or the time
+budget is spent, evaluates again with the same sampling settings, and writes
+``summary.json``, ``metrics.jsonl`` and ``curve.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from boltstream.config import Settings, load
+from boltstream.pipeline import (
+    PipelineConfig,
+    Processes,
+    component_env,
+    evaluate,
+    free_port,
+    load_tasks,
+    read_jsonl,
+    wait_until,
+    worker_version,
+)
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--steps", type=int, default=None, help="learner steps to train")
+    a("--time-budget", type=float, default=None, help="seconds for the whole run, evaluation included")
+    a("--out", type=Path, default=None, help="output folder")
+    a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
+    a("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    a("--group-size", type=int, default=None, help="attempts per task (GRPO group)")
+    a("--groups-per-step", type=int, default=None, help="task groups per learner step")
+    a("--eval-samples", type=int, default=None, help="attempts per held-out task")
+    a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
+    a("--lr", type=float, default=None)
+    a("--agent-match", default=None, help="regex: train only calls of matching agents")
+    a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
+    a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
+
+
+@contextlib.contextmanager
+def _stack(out: Path, external: bool) -> Iterator[tuple[Settings, Path | None]]:
+    if external:
+        yield load(Settings), None
+        return
+    from boltstream.stack import embedded_stack
+
+    with embedded_stack(out / "stack") as settings:
+        yield settings, Path(settings.state_file)
+
+
+def _agent_callable(spec: str) -> Any:
+    from boltstream.producers.agent import load_agent
+
+    return load_agent(spec)
+
+
+def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dict[str, Any]:
+    """Train ``cfg.agent`` end to end; returns the summary written to ``cfg.out/summary.json``."""
+    started = time.monotonic()
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    agent_fn = _agent_callable(cfg.agent)
+    test_tasks = load_tasks(cfg.test, cfg.eval_tasks)
+    summary: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(cfg).items()}}
+
+    with _stack(out, external) as (settings, state_file):
+        env = component_env(settings, state_file, cfg.extra_env)
+        procs = Processes(out / "logs", env)
+        try:
+            port = free_port()
+            serve = ["serve", "--model", cfg.model, "--port", str(port)] + (["--lora"] if cfg.lora else [])
+            procs.start("worker", *serve)
+            wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
+            base_url = f"http://127.0.0.1:{port}/v1"
+
+            log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
+            summary["before"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
+            log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
+
+            stream = ["stream", "worker", "--group-size", str(cfg.group_size)]
+            if cfg.agent_match:
+                stream += ["--agent-match", cfg.agent_match]
+            if cfg.air_rules:
+                stream += ["--air-rules", str(cfg.air_rules)]
+            procs.start("stream", *stream)
+            learn = ["learn", "--model", cfg.model, "--groups-per-step", str(cfg.groups_per_step),
+                     "--max-steps", str(cfg.steps), "--checkpoint-every", "1", "--lr", str(cfg.lr),
+                     "--metrics", str(metrics_path)] + (["--lora"] if cfg.lora else [])
+            procs.start("learner", *learn)
+            procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
+                        "--group-size", str(cfg.group_size))
+            procs.start("runner", "runner", "--agent", cfg.agent, "--workers", str(cfg.runner_workers),
+                        "--group-size", str(cfg.group_size), "--base-url", base_url)
+
+            eval_reserve = 2.5 * (time.monotonic() - started)  # the after-eval costs about what the first phase did
+            deadline = started + cfg.time_budget_s - eval_reserve
+
+            def learner_done() -> bool:
+                rows = [r for r in read_jsonl(metrics_path) if "step" in r]
+                if display is not None:
+                    display.update(rows=rows, version=worker_version(port), procs=procs)
+                return bool(rows) and rows[-1]["step"] >= cfg.steps
+
+            with contextlib.suppress(Exception):
+                wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
+            rows = [r for r in read_jsonl(metrics_path) if "step" in r]
+            final_version = max((int(r.get("policy_version", r["step"])) for r in rows), default=0)
+            summary["learner_steps"] = len(rows)
+            procs.stop("runner")
+            procs.stop("tasks")
+            if final_version:
+                wait_until(lambda: (worker_version(port) or 0) >= final_version, 120,
+                           f"the worker to load policy version {final_version}", procs)
+            summary["policy_version_served"] = worker_version(port)
+            summary["after"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
+            log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
+        finally:
+            procs.stop_all()
+    summary["wall_s"] = round(time.monotonic() - started, 1)
+    summary["improvement"] = summary["after"]["score"] - summary["before"]["score"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(metrics_path, summary, out / "curve.png")
+    return summary
+
+
+def _plot(metrics_path: Path, summary: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_jsonl(metrics_path) if "step" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if rows:
+        ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker="o",
+                label="training reward (mean per step)")
+    for key, x, color in (("before", 0, "tab:red"), ("after", max(1, len(rows)), "tab:green")):
+        s = summary.get(key)
+        if s:
+            ax.errorbar([x], [s["score"]], yerr=[s["se"]], fmt="s", color=color, capsize=4,
+                        label=f"held-out {key}: {s['score']:.2f}")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="boltstream train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--agent", required=True, help="module:function of your agent (see docs/producers.md)")
+    p.add_argument("--train", type=Path, required=True, help="training tasks (JSONL)")
+    p.add_argument("--test", type=Path, required=True, help="held-out tasks (JSONL)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    cfg = PipelineConfig(agent=args.agent, train=args.train, test=args.test, **_common(args, Path("out/train")))
+    summary = run(cfg, external=args.external)
+    print_summary(summary)
+    return 0
+
+
+def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
+    given = {
+        "out": args.out or default_out, "model": args.model, "steps": args.steps,
+        "time_budget_s": args.time_budget, "group_size": args.group_size,
+        "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
+        "eval_tasks": args.eval_tasks, "lr": args.lr, "agent_match": args.agent_match,
+        "air_rules": args.air_rules,
+    }
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if args.full:
+        kwargs["lora"] = False
+    return kwargs
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="boltstream: held-out score before and after training")
+    for col in ("", "score", "std. error", "tasks x samples"):
+        t.add_column(col)
+    for key in ("before", "after"):
+        s = summary[key]
+        t.add_row(key, f"{s['score']:.3f}", f"{s['se']:.3f}", f"{s['tasks']} x {s['samples_per_task']}")
+    Console().print(t)
+    Console().print(f"learner steps: {summary.get('learner_steps')}, policy version served: "
+                    f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s")
+
+
+def clean_out(out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out / "logs", ignore_errors=True)
