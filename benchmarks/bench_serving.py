@@ -4,9 +4,11 @@
 
 A ``boltstream serve`` worker runs as its own process on the embedded stack
 with token capture ON (every answer waits for its span's broker ack), as in
-training. The same seeded chat requests are sent twice: sequentially, then by
-``--clients`` closed-loop clients sharing one queue. Throughput is generated
-tokens / wall time; the ratio shows what the dynamic batching buys.
+training. The same seeded chat requests are sent sequentially, then by
+``--clients`` closed-loop clients sharing one queue, alternating for
+``--rounds`` rounds (so load from other processes hits both modes alike).
+Throughput is generated tokens / wall time; the ratio shows what the
+continuous batching buys.
 JSON goes to benchmarks/results/serving.json.
 """
 
@@ -74,23 +76,34 @@ def summarise(results: list[tuple[int, float]], wall: float) -> dict[str, Any]:
 
 
 async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Alternate the two modes for ``--rounds`` rounds, so a change in machine load hits both alike."""
     bodies = requests(args.model, args.requests, args.max_tokens)
+    seq_all: list[tuple[int, float]] = []
+    conc_all: list[tuple[int, float]] = []
+    seq_wall = conc_wall = 0.0
+    rounds = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await _one(http, dict(bodies[0], max_tokens=4))  # warm-up
-        t0 = time.perf_counter()
-        seq = await sequential(http, bodies)
-        seq_s = summarise(seq, time.perf_counter() - t0)
-        print(f"one at a time : {seq_s['tokens']} tokens in {seq_s['wall_s']:.1f}s = "
-              f"{seq_s['tokens_per_s']:.1f} tok/s", flush=True)
-        t0 = time.perf_counter()
-        conc = await concurrent(http, bodies, args.clients)
-        conc_s = summarise(conc, time.perf_counter() - t0)
-        print(f"{args.clients} concurrent  : {conc_s['tokens']} tokens in {conc_s['wall_s']:.1f}s = "
-              f"{conc_s['tokens_per_s']:.1f} tok/s", flush=True)
-        metrics = (await http.get("/metrics")).text
-    batches = [ln for ln in metrics.splitlines() if ln.startswith("boltstream_inference_spans_total")]
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            seq = await sequential(http, bodies)
+            t1 = time.perf_counter()
+            conc = await concurrent(http, bodies, args.clients)
+            t2 = time.perf_counter()
+            seq_all += seq
+            conc_all += conc
+            seq_wall += t1 - t0
+            conc_wall += t2 - t1
+            rnd = {"sequential": summarise(seq, t1 - t0), "concurrent": summarise(conc, t2 - t1),
+                   "loadavg": os.getloadavg()[0]}
+            rnd["speedup"] = rnd["concurrent"]["tokens_per_s"] / rnd["sequential"]["tokens_per_s"]
+            rounds.append(rnd)
+            print(f"round {r + 1}: one at a time {rnd['sequential']['tokens_per_s']:.1f} tok/s, {args.clients} "
+                  f"concurrent {rnd['concurrent']['tokens_per_s']:.1f} tok/s -> {rnd['speedup']:.2f}x "
+                  f"(load average {rnd['loadavg']:.1f})", flush=True)
+    seq_s, conc_s = summarise(seq_all, seq_wall), summarise(conc_all, conc_wall)
     return {"sequential": seq_s, "concurrent": conc_s, "speedup": conc_s["tokens_per_s"] / seq_s["tokens_per_s"],
-            "spans_written": float(batches[0].split()[-1]) if batches else None}
+            "rounds": rounds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "serving.json"))
     args = p.parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings

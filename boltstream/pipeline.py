@@ -77,7 +77,7 @@ class Processes:
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "boltstream.cli", *args]
-        logf = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        logf = open(self.log_dir / f"{name}.log", "ab")
         log.info("starting %s: %s", name, " ".join(args))
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         logf.close()
@@ -173,21 +173,25 @@ def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url
 
     from boltstream.producers.context import RolloutContext
 
-    def one(task: dict[str, Any], k: int) -> float:
+    def one(task: dict[str, Any], k: int, failures: list[str]) -> float:
         ctx = RolloutContext(rollout_id=f"eval-{task.get('id')}-{k}", attempt_id=f"eval:{k}",
                              task_id=str(task.get("id")), attempt=k, task=task, base_url=base_url)
         try:
             value = agent_fn(task, ctx)
         except Exception as exc:  # an agent failure scores 0 in evaluation, and is logged
             log.warning("eval attempt failed on task %s: %s", task.get("id"), exc)
+            failures.append(f"{type(exc).__name__}: {exc}")
             return 0.0
         if isinstance(value, dict):
             value = next(iter(value.values()), 0.0)
         return float(value or 0.0)
 
     jobs = [(t, k) for t in tasks for k in range(samples)]
+    failures: list[str] = []
     with ThreadPoolExecutor(threads) as pool:
-        scores = list(pool.map(lambda job: one(*job), jobs))
+        scores = list(pool.map(lambda job: one(*job, failures), jobs))
+    if failures and len(failures) == len(jobs):
+        raise BoltstreamError(f"every evaluation attempt failed; first error: {failures[0]}")
     per_task = [sum(scores[i * samples:(i + 1) * samples]) / samples for i in range(len(tasks))]
     mean, se = mean_and_se(per_task)
     return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples, "per_task": per_task}

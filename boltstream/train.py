@@ -34,6 +34,9 @@ from boltstream.pipeline import (
 
 log = logging.getLogger(__name__)
 
+# The name the worker serves and the learner publishes checkpoints under; agents ask for it.
+MODEL_NAME = "policy"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
@@ -85,7 +88,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
         procs = Processes(out / "logs", env)
         try:
             port = free_port()
-            serve = ["serve", "--model", cfg.model, "--port", str(port)] + (["--lora"] if cfg.lora else [])
+            serve = ["serve", "--model", cfg.model, "--served-model-name", MODEL_NAME, "--port", str(port)] + (["--lora"] if cfg.lora else [])
             procs.start("worker", *serve)
             wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
             base_url = f"http://127.0.0.1:{port}/v1"

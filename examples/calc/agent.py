@@ -12,8 +12,8 @@ OpenAI-compatible endpoint and it runs.
 from __future__ import annotations
 
 import ast
-import os
 import operator
+import os
 import re
 
 from openai import OpenAI

@@ -14,7 +14,7 @@ from boltstream.inference.backend import SamplingParams
 from boltstream.inference.transformers_backend import TransformersBackend
 from boltstream.models import save_model_dir, tiny_model_and_tokenizer
 
-PROMPT = list(b"<|im_start|>user\nhi<|im_end|>\n")
+PROMPT = list(b"The quick brown fox")  # greedy on seeds 0-2 runs 200+ tokens without an end token
 
 
 def _fresh(seed: int = 0, **kw: Any) -> TransformersBackend:
@@ -70,7 +70,9 @@ async def test_concurrent_requests_share_batches() -> None:
 
 
 async def _greedy(backend: TransformersBackend, n_tokens: int = 20) -> list[int]:
-    return (await backend.generate(PROMPT, SamplingParams(0.0, 1.0, n_tokens))).completions[0].token_ids
+    ids = (await backend.generate(PROMPT, SamplingParams(0.0, 1.0, n_tokens))).completions[0].token_ids
+    assert len(ids) == n_tokens  # a comparison of two early stops would prove nothing
+    return ids
 
 
 async def test_full_reload_keeps_in_flight_requests_on_the_old_version(tmp_path: Path) -> None:
@@ -166,3 +168,31 @@ async def test_stop_fails_pending_requests() -> None:
     await backend.stop()
     with pytest.raises(RuntimeError):
         await backend.generate(PROMPT, SamplingParams())
+
+
+async def test_requests_join_a_running_batch_and_leave_it_early() -> None:
+    backend = await _started(_fresh(max_batch_size=8))
+    try:
+        started = asyncio.Event()
+        long = asyncio.create_task(backend.generate(PROMPT, SamplingParams(0.0, 1.0, 150),
+                                                    on_token=lambda *a: started.set()))
+        await started.wait()
+        prompts = [list(b"short"), list(b"a somewhat longer prompt than the first one, to pad")]
+        joined = await asyncio.gather(*(backend.generate(p, SamplingParams(0.9, 1.0, 10, seed=4, n=2))
+                                        for p in prompts))
+        assert not long.done()  # answered while the long request is still decoding
+        assert backend.joined == 2 and backend.batches_run == 0
+        for prompt, gen in zip(prompts, joined, strict=True):  # joining changes nothing numerically
+            for c in gen.completions:
+                ref = _reference_logprobs(backend._base, prompt, c.token_ids, 0.9)
+                assert c.logprobs == pytest.approx(ref, abs=2e-4)
+        solo = _fresh()
+        await solo.start()
+        expected = await solo.generate(prompts[1], SamplingParams(0.9, 1.0, 10, seed=4, n=2))
+        await solo.stop()
+        assert [c.token_ids for c in expected.completions] == [c.token_ids for c in joined[1].completions]
+        first = (await long).completions[0]
+        assert first.logprobs == pytest.approx(_reference_logprobs(backend._base, PROMPT, first.token_ids, 0.0),
+                                               abs=2e-4)
+    finally:
+        await backend.stop()

@@ -1,0 +1,262 @@
+"""Stream app: spans/s through one worker and root-span-to-samples latency, against the pure core alone.
+
+    .venv/bin/python benchmarks/bench_stream.py [--tasks 1500] [--latency-s 10] [--rate 100]
+
+On a private embedded stack (Tansu + moto), with the synthetic rollouts of the
+integration tests (1-5 LLM calls, tools some of which fail, ~7.5 spans per
+rollout, groups of 4):
+
+1. Pure core: the same spans decoded, assembled, encoded as Trajectories,
+   decoded again, grouped into TrainingBatches and encoded, in one process
+   without Kafka. The ceiling for a single Python process.
+2. Throughput: one ``boltstream stream worker`` (a subprocess, group size 4),
+   warmed up with one task, then ``--tasks`` x 4 rollouts produced as fast as
+   possible; spans/s = spans / (first span produced -> last sample readable).
+   Measured with the fast consumer path (default) and with faust's stock
+   per-record delivery (``--no-fast-consumer``).
+3. Latency: a worker with group size 1 (no waiting for the rest of a group)
+   under a steady ``--rate`` rollouts/s for ``--latency-s`` seconds; per
+   rollout, from just before its root span is produced to the first time a
+   consumer reads one of its samples. p50/p99/max.
+
+Goals (issue 5): >= 5,000 spans/s per worker, p99 <= 250 ms excluding group
+wait. The load average at start and end is recorded: other processes on the
+box (the broker shares the cores too) move every number. JSON goes to
+benchmarks/results/stream.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+
+from boltstream.config import Settings  # noqa: E402
+from boltstream.kafka import consumer_kwargs, producer_kwargs  # noqa: E402
+from boltstream.schemas import Codec  # noqa: E402
+from boltstream.stack import embedded_stack, settings_env  # noqa: E402
+from boltstream.streams import assemble_trajectory, build_training_batches  # noqa: E402
+from boltstream.topics import ensure_topics  # noqa: E402
+from tests.integration.streams.stream_workload import encoded_spans, make_workload  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+BOLTSTREAM = Path(sys.executable).with_name("boltstream")
+GROUP = 4
+
+
+def pure_core(records: list[tuple[bytes, bytes]], codec: Codec) -> float:
+    """Spans/s of the pure core (with the codec) over ``records``."""
+    started = time.perf_counter()
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for _, value in records:
+        span = codec.decode(value, topic="bench.spans", expect="Span")
+        by_rollout.setdefault(span["rollout_id"], []).append(span)
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for spans in by_rollout.values():
+        data = codec.encode("Trajectory", assemble_trajectory(spans), topic="bench.trajectories")
+        trajectory = codec.decode(data, topic="bench.trajectories", expect="Trajectory")
+        by_task.setdefault(trajectory["task_id"], []).append(trajectory)
+    for task_id, trajectories in by_task.items():
+        for batch in build_training_batches(task_id, trajectories, group_size=GROUP):
+            codec.encode("TrainingBatch", batch, topic="bench.batches")
+    return len(records) / (time.perf_counter() - started)
+
+
+def start_worker(settings: Settings, app_id: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
+    env.update(settings_env(settings))
+    env["BOLTSTREAM_STATE_FILE"] = str(log.parent / "no-stack.json")
+    env["BOLTSTREAM_STREAM_TICK_S"] = "0.1"
+    argv = [str(BOLTSTREAM), "stream", "worker", "--app-id", app_id, "-l", "warning", *args]
+    return subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
+
+
+class SampleWatch:
+    """Reads the batches topic; remembers when each rollout's samples were first readable."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.topic = settings.topic("batches")
+        self.codec = Codec()
+        self.first_seen: dict[str, float] = {}
+        self.samples = 0
+        self._consumer = AIOKafkaConsumer(self.topic, **consumer_kwargs(settings, None, fetch_max_wait_ms=20))
+
+    async def start(self) -> None:
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        await self._consumer.stop()
+
+    async def poll(self) -> None:
+        batches = await self._consumer.getmany(timeout_ms=50)
+        now = time.perf_counter()
+        for records in batches.values():
+            for record in records:
+                for sample in self.codec.decode(record.value, topic=self.topic, expect="TrainingBatch")["samples"]:
+                    self.samples += 1
+                    self.first_seen.setdefault(sample["rollout_id"], now)
+
+    async def wait_rollouts(self, rollout_ids: set[str], timeout: float) -> None:
+        deadline = time.perf_counter() + timeout
+        while not rollout_ids <= self.first_seen.keys():
+            if time.perf_counter() > deadline:
+                missing = len(rollout_ids - self.first_seen.keys())
+                raise TimeoutError(f"{missing} rollouts produced no samples within {timeout:.0f}s")
+            await self.poll()
+
+
+async def warm_up(settings: Settings, watch: SampleWatch, codec: Codec, run: str, group: int) -> None:
+    """One task through the worker: it has joined its group and recovered before timing starts."""
+    rollouts = make_workload(1, group, seed=1, run=f"{run}-warm")
+    await produce(settings, encoded_spans(codec, settings.topic("spans"), rollouts))
+    await watch.wait_rollouts({r.rollout_id for r in rollouts}, timeout=120)
+
+
+async def produce(settings: Settings, records: list[tuple[bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(**producer_kwargs(settings))
+    await producer.start()
+    try:
+        futures = [await producer.send(settings.topic("spans"), value, key=key) for key, value in records]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def throughput(settings: Settings, tmp: Path, tasks: int, fast: bool) -> dict[str, Any]:
+    codec = Codec()
+    app_id = f"{settings.namespace}bench-{'fast' if fast else 'stock'}"
+    proc = start_worker(settings, app_id, tmp / f"{app_id}.log", "--group-size", str(GROUP),
+                        *(() if fast else ("--no-fast-consumer",)))
+    watch = SampleWatch(settings)
+    await watch.start()
+    try:
+        await warm_up(settings, watch, codec, settings.namespace, GROUP)
+        rollouts = make_workload(tasks, GROUP, seed=3, run=settings.namespace)
+        records = encoded_spans(codec, settings.topic("spans"), rollouts)
+        started = time.perf_counter()
+        await produce(settings, records)
+        produced = time.perf_counter() - started
+        await watch.wait_rollouts({r.rollout_id for r in rollouts}, timeout=600)
+        elapsed = time.perf_counter() - started
+    finally:
+        await watch.stop()
+        stop(proc)
+    return {"spans": len(records), "rollouts": len(rollouts), "produce_s": round(produced, 3),
+            "elapsed_s": round(elapsed, 3), "spans_per_s": round(len(records) / elapsed, 1)}
+
+
+async def latency(settings: Settings, tmp: Path, seconds: float, rate: float) -> dict[str, Any]:
+    codec = Codec()
+    app_id = f"{settings.namespace}bench-latency"
+    proc = start_worker(settings, app_id, tmp / f"{app_id}.log", "--group-size", "1")
+    watch = SampleWatch(settings)
+    await watch.start()
+    producer = AIOKafkaProducer(**producer_kwargs(settings))
+    await producer.start()
+    root_sent: dict[str, float] = {}
+    try:
+        await warm_up(settings, watch, codec, settings.namespace, 1)
+        count = int(seconds * rate)
+        rollouts = make_workload(count, 1, seed=9, run=f"{settings.namespace}lat")
+        topic = settings.topic("spans")
+        stop_polling = asyncio.Event()
+
+        async def poller() -> None:
+            while not stop_polling.is_set():
+                await watch.poll()
+
+        polling = asyncio.create_task(poller())
+        begin = time.perf_counter()
+        for i, rollout in enumerate(rollouts):
+            await asyncio.sleep(max(0.0, begin + i / rate - time.perf_counter()))  # steady arrival rate
+            key = rollout.rollout_id.encode()
+            for span in rollout.spans[:-1]:
+                await producer.send(topic, codec.encode("Span", span, topic=topic), key=key)
+            root_sent[rollout.rollout_id] = time.perf_counter()
+            await producer.send(topic, codec.encode("Span", rollout.spans[-1], topic=topic), key=key)
+        await producer.flush()
+        deadline = time.perf_counter() + 60
+        while not root_sent.keys() <= watch.first_seen.keys() and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        stop_polling.set()
+        await polling
+    finally:
+        await producer.stop()
+        await watch.stop()
+        stop(proc)
+    lat_ms = sorted((watch.first_seen[r] - t) * 1000 for r, t in root_sent.items() if r in watch.first_seen)
+    spans = sum(len(r.spans) for r in rollouts)
+    return {
+        "rollouts": len(root_sent), "answered": len(lat_ms), "rate_rollouts_per_s": rate,
+        "rate_spans_per_s": round(spans / seconds, 1),
+        "p50_ms": round(statistics.median(lat_ms), 2),
+        "p99_ms": round(lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))], 2),
+        "max_ms": round(lat_ms[-1], 2),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    codec = Codec()
+    sample = make_workload(args.tasks, GROUP, seed=3, run="pure")
+    records = encoded_spans(codec, "bench.spans", sample)
+    results["pure_core_spans_per_s"] = round(statistics.median(pure_core(records, codec) for _ in range(3)), 1)
+    with tempfile.TemporaryDirectory() as tmp_name, embedded_stack(tmp_name, partitions=4) as base:
+        tmp = Path(tmp_name)
+        for label, fast in (("fast_consumer", True), ("stock_faust", False)):
+            settings = Settings(**{**base.__dict__, "namespace": f"bench{label[:4]}."})
+            await ensure_topics(settings)
+            results[f"worker_{label}"] = await throughput(settings, tmp, args.tasks, fast)
+        settings = Settings(**{**base.__dict__, "namespace": "benchlat."})
+        await ensure_topics(settings)
+        results["latency_group_size_1"] = await latency(settings, tmp, args.latency_s, args.rate)
+    best = results["worker_fast_consumer"]["spans_per_s"]
+    results["framework_overhead_ratio"] = round(results["pure_core_spans_per_s"] / best, 2)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", type=int, default=1500, help="tasks (x4 rollouts) for the throughput runs")
+    ap.add_argument("--latency-s", type=float, default=10.0, help="seconds of steady load for the latency run")
+    ap.add_argument("--rate", type=float, default=100.0, help="rollouts/s during the latency run")
+    args = ap.parse_args()
+    load_at_start = list(os.getloadavg())
+    results = asyncio.run(run(args))
+    results["goals"] = {
+        "spans_per_s_per_worker>=5000": results["worker_fast_consumer"]["spans_per_s"] >= 5000,
+        "p99_ms<=250": results["latency_group_size_1"]["p99_ms"] <= 250,
+    }
+    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                          "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "stream.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Batched incremental decoding for the transformers engine: prefill, join, sample, step.
+
+Why hand-written: one batch mixes requests with different temperatures, top_p,
+seeds, stop strings and lengths; requests JOIN a running batch between decode
+steps (continuous batching: closed-loop agents never line up at batch
+boundaries), finished rows LEAVE it; and every sampled token's log-probability
+must follow the convention in :mod:`boltstream.inference.backend`.
+
+A :class:`DecodeState` holds the active rows and, aligned with them, the KV
+cache, the attention mask (left padding), each row's last position and the
+logits for its next token. Joining left-pads the shorter of two states' caches
+and masks to a common length and concatenates them along the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from boltstream.inference.backend import SamplingParams
+
+
+@dataclass
+class Row:
+    """One sequence being sampled: choice ``choice`` of ``request``."""
+
+    request: Any
+    choice: int
+    generator: Any
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    stop_string: str | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+@dataclass
+class DecodeState:
+    rows: list[Row]
+    cache: Any
+    mask: Any  # [B, T] 1 = real token
+    positions: Any  # [B, 1] position of each row's last token
+    logits: Any  # [B, V] float32 logits for each row's next token
+    temps: Any  # [B] temperature used for logprobs (1.0 for greedy)
+
+
+def make_rows(requests: list[Any]) -> list[Row]:
+    """``n`` rows per request, each with its own generator (seed + choice index, or random)."""
+    import torch
+
+    rows = []
+    for req in requests:
+        for i in range(req.params.n):
+            gen = torch.Generator(device="cpu")
+            seed = req.params.seed + i if req.params.seed is not None else secrets.randbits(63)
+            gen.manual_seed(seed % (2**63))
+            rows.append(Row(req, i, gen))
+    return rows
+
+
+def prefill(model: Any, rows: list[Row], pad_id: int, device: Any) -> DecodeState:
+    """Run the (left-padded) prompts of ``rows``: their cache and first logits."""
+    import torch
+
+    width = max(len(r.request.prompt_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        p = r.request.prompt_ids
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+    return DecodeState(rows, out.past_key_values, mask, positions[:, -1:], out.logits[:, -1, :].float(), temps)
+
+
+def can_join(state: DecodeState) -> bool:
+    """Joining needs plain growing caches (sliding-window or static layers are left alone)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(state.cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def join(a: DecodeState, b: DecodeState) -> DecodeState:
+    """One state holding the rows of ``a`` then ``b``; the shorter side is left-padded (masked out)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+
+    length = max(a.mask.shape[1], b.mask.shape[1])
+    pad_a, pad_b = length - a.mask.shape[1], length - b.mask.shape[1]
+    data = []
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        keys = torch.cat([F.pad(la.keys, (0, 0, pad_a, 0)), F.pad(lb.keys, (0, 0, pad_b, 0))])
+        values = torch.cat([F.pad(la.values, (0, 0, pad_a, 0)), F.pad(lb.values, (0, 0, pad_b, 0))])
+        data.append((keys, values))
+    return DecodeState(
+        a.rows + b.rows,
+        DynamicCache(data),
+        torch.cat([F.pad(a.mask, (pad_a, 0)), F.pad(b.mask, (pad_b, 0))]),
+        torch.cat([a.positions, b.positions]),
+        torch.cat([a.logits, b.logits]),
+        torch.cat([a.temps, b.temps]),
+    )
+
+
+def select(state: DecodeState, keep: list[int]) -> DecodeState:
+    """Only the rows at ``keep`` (the cache is narrowed in place)."""
+    import torch
+
+    if len(keep) == len(state.rows):
+        return state
+    sel = torch.tensor(keep, device=state.mask.device)
+    state.cache.batch_select_indices(sel)
+    return DecodeState([state.rows[j] for j in keep], state.cache, state.mask[sel], state.positions[sel],
+                       state.logits[sel], state.temps[sel])
+
+
+def advance(model: Any, state: DecodeState) -> None:
+    """Feed every row's last sampled token; ``state.logits`` becomes the next step's."""
+    import torch
+
+    nxt = torch.tensor([[r.ids[-1]] for r in state.rows], dtype=torch.long, device=state.mask.device)
+    state.mask = torch.cat([state.mask, torch.ones_like(nxt)], dim=-1)
+    state.positions = state.positions + 1
+    out = model(input_ids=nxt, attention_mask=state.mask, position_ids=state.positions,
+                past_key_values=state.cache, use_cache=True)
+    state.cache = out.past_key_values
+    state.logits = out.logits[:, -1, :].float()
+
+
+def sample(state: DecodeState) -> tuple[list[int], list[float]]:
+    """Next token of every row and its logprob under log_softmax(logits / T), before top-p truncation.
+
+    Greedy rows take the argmax of the raw logits (logprob at T = 1); others
+    sample with their own generator from the top-p nucleus of softmax(logits / T).
+    """
+    import torch
+
+    logp = torch.log_softmax(state.logits / state.temps.unsqueeze(-1), dim=-1)
+    tokens: list[int] = []
+    for j, row in enumerate(state.rows):
+        params = row.params
+        if params.greedy:
+            tokens.append(int(torch.argmax(state.logits[j])))
+            continue
+        probs = logp[j].exp()
+        if params.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+            pick = torch.multinomial(sorted_p.masked_fill(drop, 0.0), 1, generator=row.generator)
+            tokens.append(int(order[pick]))
+        else:
+            tokens.append(int(torch.multinomial(probs, 1, generator=row.generator)))
+    picked = logp.gather(-1, torch.tensor(tokens, device=logp.device).unsqueeze(-1)).squeeze(-1)
+    return tokens, picked.tolist()

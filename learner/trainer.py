@@ -1,0 +1,204 @@
+"""The model, its optimizer and their files: plain torch here, DeepSpeed in :mod:`.deepspeed_backend`.
+
+Both backends offer the same small surface to the loop (:class:`Trainer`): ``step``
+on a list of samples, and save/load of the weights (HF layout, what inference workers
+load) and of the training state (optimizer moments, RNG: what only a resumed learner
+needs). Keeping the two file sets apart lets workers download weights without the
+optimizer state, which is twice the model's size for AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .config import LearnerConfig
+from .step import StepConfig, StepMetrics, train_step
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+BACKEND_FILE = "backend.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class Trainer(Protocol):
+    """What the loop needs from a backend."""
+
+    backend: str
+    rank: int
+    world_size: int
+    model: torch.nn.Module  # the unwrapped (peft or HF) model
+    tokenizer: Any
+
+    def step(self, samples: list[dict[str, Any]]) -> StepMetrics: ...
+    def save_weights(self, directory: Path) -> None: ...
+    def save_state(self, directory: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+def build_model(cfg: LearnerConfig) -> tuple[torch.nn.Module, Any]:
+    """(model in train mode, tokenizer): ``cfg.model`` loaded by :func:`boltstream.models.load_model`,
+    wrapped with LoRA adapters when ``cfg.lora`` (only the adapters are then trainable)."""
+    from boltstream.models import load_model
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)  # LoRA A matrices: the same on every rank and every restart
+            model = get_peft_model(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("model %s (%s): %.1fM parameters, %.2fM trainable", cfg.model, cfg.kind, total / 1e6, trainable / 1e6)
+    return model.train(), tokenizer
+
+
+def reference_model(cfg: LearnerConfig, model: torch.nn.Module) -> torch.nn.Module | None:
+    """A frozen copy of the starting weights for the KL penalty of full fine-tuning.
+
+    LoRA needs none (the base with adapters disabled is the reference) and ``kl_coef=0``
+    needs none at all. Built from the *initial* weights, so it is the base model also
+    after a resume (``model`` is copied before any checkpoint is loaded).
+    """
+    if cfg.kl_coef == 0.0 or cfg.lora:
+        return None
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the input embedding: a token id at or above this cannot be trained (vocabulary mismatch)."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def adamw(cfg: LearnerConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def save_weights(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+    """HF layout: a peft model writes adapter_config.json + adapter_model.safetensors, a full model
+    config.json + model.safetensors (+ generation config) and the tokenizer files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    if not hasattr(model, "peft_config"):
+        tokenizer.save_pretrained(directory)
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a checkpoint written by :func:`save_weights` into ``model`` in place (parameters keep
+    their identity, so an optimizer built on them stays valid)."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(directory / ADAPTER_WEIGHTS))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing:
+            raise RuntimeError(f"adapter in {directory} lacks {missing[:3]}...")
+        return
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}  # tied weights are saved once
+    untied = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
+    if untied or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {directory} does not fit the model: missing {untied[:3]}, "
+                           f"unexpected {result.unexpected_keys[:3]}")
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+class TorchTrainer:
+    """One process, one device: :func:`learner.step.train_step` with AdamW.
+
+    ``weights_dir`` / ``state_dir`` (a checkpoint to resume) are loaded at construction,
+    weights before the optimizer exists, the same order the DeepSpeed backend needs.
+    """
+
+    backend = "torch"
+    rank = 0
+    world_size = 1
+
+    def __init__(self, cfg: LearnerConfig, weights_dir: Path | None = None, state_dir: Path | None = None,
+                 *, model: torch.nn.Module | None = None, tokenizer: Any = None) -> None:
+        self.cfg = cfg
+        if model is None:
+            model, tokenizer = build_model(cfg)
+        self.model, self.tokenizer = model, tokenizer
+        self.ref_model = reference_model(cfg, model)  # before any checkpoint: the reference is the base
+        if weights_dir is not None:
+            load_weights(model, weights_dir)
+        self.optimizer = adamw(cfg, model)
+        if state_dir is not None:
+            self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location=cfg.device,
+                                                      weights_only=False))
+            set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
+        self.step_cfg: StepConfig = cfg.step_config(pad_token_id(tokenizer))
+
+    def step(self, samples: list[dict[str, Any]]) -> StepMetrics:
+        return train_step(self.model, self.optimizer, samples, self.step_cfg, ref_model=self.ref_model)
+
+    def save_weights(self, directory: Path) -> None:
+        save_weights(self.model, self.tokenizer, directory)
+
+    def save_state(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        torch.save(rng_state(), directory / RNG_FILE)
+        write_backend(directory, self.backend, self.world_size)
+
+    def close(self) -> None:
+        pass
+
+
+def write_backend(directory: Path, backend: str, world_size: int) -> None:
+    """Which backend wrote a training state: optimizer files of another backend or world size do not load."""
+    (directory / BACKEND_FILE).write_text(json.dumps({"backend": backend, "world_size": world_size}))
+
+
+def state_compatible(state_dir: Path, backend: str, world_size: int) -> bool:
+    try:
+        saved = json.loads((state_dir / BACKEND_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return saved.get("backend") == backend and int(saved.get("world_size", 1)) == world_size
+
+
+def make_trainer(cfg: LearnerConfig, weights_dir: Path | None = None, state_dir: Path | None = None) -> Trainer:
+    """The backend ``cfg`` asks for (DeepSpeed imported only then), resumed from the given files."""
+    if cfg.deepspeed:
+        from .deepspeed_backend import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(cfg, weights_dir, state_dir)
+    return TorchTrainer(cfg, weights_dir, state_dir)

@@ -1,0 +1,209 @@
+"""The stream app's two stages: spans -> trajectories (per rollout) and trajectories -> batches (per task).
+
+Both are :class:`~boltstream.streams.accumulator.Accumulator` subclasses: this
+module says what a record is, when a key closes and what closing emits; the
+pure core (``assemble_trajectory``, ``build_training_batches``) decides the
+content. Records are Avro bytes on the wire in both directions; encoding and
+decoding are explicit (:class:`~boltstream.schemas.Codec`), so every topic
+reads in Redpanda Console or any Avro-aware tool.
+
+Rollout stage (spans topic, keyed by rollout id):
+
+* undecodable bytes, a record of another schema, a span without ``rollout_id``
+  or ``span_id`` -> dead letter, the worker goes on;
+* the ``boltstream.rollout`` root span sets the close time to now + ``grace_s``
+  (0: close at once); no root and no new span for ``rollout_timeout_s`` -> closed
+  as ``abandoned``;
+* a rollout the pure core cannot assemble (no task id anywhere) -> one dead letter.
+
+Group stage (trajectories topic, keyed by task id, so all attempts of a task
+meet on one partition): a group closes when ``group_size`` distinct attempts
+are there, or ``group_timeout_s`` after its first trajectory (then
+``complete=False``); a trajectory for an already emitted group is late and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from boltstream.schemas import Codec, SchemaError
+
+from .accumulator import Accumulator, Entry, Output
+from .assembly import assemble_trajectory_with_stats
+from .config import StreamConfig
+from .dlq import DeadLetters, dead_letter
+from .grouping import build_training_batches
+from .spans import is_rollout_root
+from .tables import ChangelogMap, make_key
+
+log = logging.getLogger(__name__)
+
+
+class _Stage(Accumulator):
+    """Shared plumbing: codec, topics, dead letters for a key whose outputs failed."""
+
+    record = ""
+    in_name = ""
+
+    def __init__(
+        self,
+        app: Any,
+        items: ChangelogMap,
+        markers: ChangelogMap,
+        config: StreamConfig,
+        codec: Codec,
+        dlq: DeadLetters,
+    ) -> None:
+        super().__init__(app, items, markers, config.forget_after_s)
+        self.config = config
+        self.codec = codec
+        self.dlq = dlq
+        self.in_topic = config.settings.topic(self.in_name)
+
+    def decode_item(self, raw: bytes) -> dict[str, Any]:
+        return self.codec.decode(raw, topic=self.in_topic, expect=self.record)
+
+    def failed(self, entry: Entry, reason: str) -> Sequence[Output]:
+        log.error("%s %s: %s; sent to the DLQ", self.kind, entry.key, reason)
+        self.dlq.counts[f"{self.kind}_failed"] += 1
+        raw = next(
+            (v for i in entry.items if (v := self.items.get(make_key(entry.partition, entry.key, i))) is not None),
+            b"",
+        )
+        record = dead_letter(
+            f"{self.kind} {entry.key}: {reason}",
+            topic=self.in_topic,
+            partition=entry.partition,
+            offset=-1,
+            key=entry.key.encode(),
+            value=raw,
+            max_bytes=self.dlq.max_bytes,
+        )
+        return [(self.dlq.topic, entry.key.encode(), self.codec.encode("DeadLetter", record, topic=self.dlq.topic))]
+
+    async def _decode_or_dlq(self, message: Any) -> dict[str, Any] | None:
+        try:
+            return self.decode_item(message.value)
+        except SchemaError as exc:
+            await self.dlq.send(
+                f"undecodable {self.record}: {exc}",
+                topic=message.topic,
+                partition=message.partition,
+                offset=message.offset,
+                key=message.key,
+                value=message.value,
+                category="undecodable",
+            )
+            return None
+
+    async def _reject(self, message: Any, reason: str, category: str) -> None:
+        await self.dlq.send(
+            reason,
+            topic=message.topic,
+            partition=message.partition,
+            offset=message.offset,
+            key=message.key,
+            value=message.value,
+            category=category,
+        )
+
+
+class RolloutStage(_Stage):
+    """Spans -> one Trajectory per rollout attempt, on ``trajectories`` keyed by task id."""
+
+    kind = "rollout"
+    record = "Span"
+    in_name = "spans"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.assembly = self.config.assembly_config()
+        self.out_topic = self.config.settings.topic("trajectories")
+
+    def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
+        if entry.due is None and is_rollout_root(item):
+            entry.due = now + self.config.grace_s
+
+    def expired(self, entry: Entry, now: float) -> bool:
+        return now - entry.last_seen >= self.config.rollout_timeout_s
+
+    def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
+        overrides: dict[str, str] = {}
+        if timed_out:
+            overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}
+        trajectory, stats = assemble_trajectory_with_stats(
+            entry.items.values(), self.assembly, rollout_id=entry.key, **overrides
+        )
+        self.stats["llm_calls"] += stats.llm_calls
+        self.stats["trained_calls"] += stats.trained_calls
+        self.stats["dropped_calls"] += stats.dropped_calls
+        self.stats["duplicate_spans"] += stats.duplicate_spans
+        value = self.codec.encode("Trajectory", trajectory, topic=self.out_topic)
+        return [(self.out_topic, trajectory["task_id"].encode(), value)]
+
+    async def on_record(self, message: Any, now: float) -> None:
+        """One record of the spans topic."""
+        self.stats["records"] += 1
+        span = await self._decode_or_dlq(message)
+        if span is None:
+            return
+        rollout_id, span_id = span.get("rollout_id"), span.get("span_id")
+        if not rollout_id:
+            await self._reject(message, "span has no rollout_id: it belongs to no rollout", "no_rollout_id")
+            return
+        if not span_id:
+            await self._reject(message, f"span of rollout {rollout_id} has no span_id", "no_span_id")
+            return
+        entry = await self.add(message.partition, rollout_id, span_id, message.value, span, now)
+        if entry is not None and entry.due is not None and now >= entry.due:
+            await self.close(entry)
+
+
+class GroupStage(_Stage):
+    """Trajectories -> the TrainingBatch part(s) of each GRPO group, on ``batches`` keyed by task id."""
+
+    kind = "group"
+    record = "Trajectory"
+    in_name = "trajectories"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.credit = self.config.credit_config()
+        self.out_topic = self.config.settings.topic("batches")
+
+    def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
+        if entry.due is None and len(entry.items) >= self.config.group_size:
+            entry.due = now
+
+    def expired(self, entry: Entry, now: float) -> bool:
+        return now - entry.first_seen >= self.config.group_timeout_s
+
+    def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
+        batches = build_training_batches(
+            entry.key,
+            list(entry.items.values()),
+            self.credit,
+            group_size=self.config.group_size,
+            max_bytes=self.config.batch_bytes,
+            created_ns=time.time_ns(),
+        )
+        self.stats["samples"] += sum(len(b["samples"]) for b in batches)
+        if len(batches) > 1:
+            self.stats["split_groups"] += 1
+        key = entry.key.encode()
+        return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
+
+    async def on_record(self, message: Any, now: float) -> None:
+        """One record of the trajectories topic."""
+        self.stats["records"] += 1
+        trajectory = await self._decode_or_dlq(message)
+        if trajectory is None:
+            return
+        entry = await self.add(
+            message.partition, trajectory["task_id"], trajectory["attempt_id"], message.value, trajectory, now
+        )
+        if entry is not None and entry.due is not None and now >= entry.due:
+            await self.close(entry)

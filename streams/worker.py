@@ -1,0 +1,79 @@
+"""Run one stream worker process: topics checked, the faust app built, faust's Worker until a signal.
+
+Why a function of our own rather than ``faust -A ... worker``: the worker must
+resolve :class:`StreamConfig` like every boltstream process (env vars, the
+embedded stack's state file), make sure its input/output topics exist before
+faust subscribes (faust only creates its own changelog topics), keep
+boltstream's log format, and remove its private data directory on exit. faust's
+:class:`~faust.Worker` still runs the loop and handles SIGINT/SIGTERM as a
+graceful stop (SIGKILL is the crash case the changelog design covers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import faust
+
+from boltstream.kafka import wait_for_broker
+from boltstream.topics import ensure_topics
+
+from .app import StreamApp
+from .config import StreamConfig
+
+log = logging.getLogger(__name__)
+
+TOPICS = ("spans", "trajectories", "batches", "dlq")
+# faust/mode/aiokafka log a lot at INFO (ASCII tables per rebalance); ours stay at the chosen level.
+NOISY_LOGGERS = ("faust", "mode", "aiokafka")
+
+
+async def prepare(config: StreamConfig, timeout: float = 60.0) -> None:
+    """Wait for the broker and create the stage topics that do not exist yet."""
+    await wait_for_broker(config.settings, timeout=timeout)
+    await ensure_topics(config.settings, TOPICS, timeout=timeout)
+
+
+def configure_logging(level: str) -> None:
+    """Our loggers at ``level``; faust's, mode's and aiokafka's one step quieter unless debugging."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
+    logging.getLogger().setLevel(numeric)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(numeric if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
+
+
+def run_worker(config: StreamConfig, loglevel: str = "info") -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit code."""
+    configure_logging(loglevel)
+    asyncio.run(prepare(config))
+    stream_app = StreamApp(config)
+    log.info(
+        "stream worker %s: %s -> %s -> %s (group_size %d, grace %.1fs, rollout timeout %.0fs, group timeout %.0fs)",
+        config.app_name,
+        config.settings.topic("spans"),
+        config.settings.topic("trajectories"),
+        config.settings.topic("batches"),
+        config.group_size,
+        config.grace_s,
+        config.rollout_timeout_s,
+        config.group_timeout_s,
+    )
+    worker = faust.Worker(
+        stream_app.faust,
+        loglevel=loglevel,
+        quiet=True,
+        redirect_stdouts=False,
+        override_logging=False,
+    )
+    code = 0
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        stream_app.cleanup()
+    log.info("stream worker %s stopped (exit %d)", config.app_name, code)
+    return code

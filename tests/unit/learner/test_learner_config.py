@@ -1,0 +1,64 @@
+"""LearnerConfig resolution and validation, the CLI's flags, and the trainer's weight files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from boltstream.errors import ConfigError
+from boltstream.learner.cli import parser
+from boltstream.learner.config import LearnerConfig, load_config
+from boltstream.learner.tiny import random_samples
+from boltstream.learner.trainer import TorchTrainer, load_weights, save_weights
+
+
+def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(tmp_path: Path) -> None:
+    env = {"BOLTSTREAM_LEARN_GROUPS_PER_STEP": "3", "BOLTSTREAM_LEARN_MAX_STALENESS": "none",
+           "BOLTSTREAM_LEARN_LORA_TARGETS": "q_proj,v_proj", "BOLTSTREAM_NAMESPACE": "exp.",
+           "BOLTSTREAM_STATE_FILE": str(tmp_path / "none.json")}
+    cfg = load_config({"checkpoint_every": "7", "groups_per_step": None}, env=env)
+    assert (cfg.groups_per_step, cfg.checkpoint_every, cfg.max_staleness) == (3, 7, None)
+    assert cfg.lora_targets == ("q_proj", "v_proj") and cfg.settings.namespace == "exp."
+    assert cfg.run_name == "exp/smollm2" and cfg.name == "smollm2" and cfg.kind == "full"
+    assert LearnerConfig(model="/models/my-model", run="/x/y/").run_name == "x/y"
+    assert LearnerConfig(model="/models/my-model").name == "my-model"
+
+
+@pytest.mark.parametrize(("field", "value"), [("groups_per_step", 0), ("zero_stage", 3), ("loss_agg", "sum"),
+                                              ("max_staleness", -1), ("lr", 0.0), ("metrics_port", 70000)])
+def test_invalid_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        LearnerConfig(**{field: value})
+
+
+def test_every_field_is_a_flag_and_flags_reach_the_config(tmp_path: Path) -> None:
+    args = vars(parser().parse_args(["--lora", "--lora-r", "8", "--max-staleness", "none", "--no-resume",
+                                     "--namespace", "cli.", "--lr", "3e-4"]))
+    args.pop("plot")
+    cfg = load_config(args, env={"BOLTSTREAM_STATE_FILE": str(tmp_path / "none.json")})
+    assert (cfg.lora, cfg.lora_r, cfg.max_staleness, cfg.resume, cfg.lr) == (True, 8, None, False, 3e-4)
+    assert cfg.settings.namespace == "cli." and cfg.kind == "lora"
+    with pytest.raises(ConfigError, match="lora_r"):
+        load_config({"lora_r": "eight"}, env={})
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_saved_weights_load_back_in_place_and_training_continues(lora: bool, tmp_path: Path) -> None:
+    cfg = LearnerConfig(model="tiny", lora=lora, lr=1e-2)
+    trainer = TorchTrainer(cfg)
+    trainer.step(random_samples(4, 200, seed=1))
+    save_weights(trainer.model, trainer.tokenizer, tmp_path / "w")
+    files = {p.name for p in (tmp_path / "w").iterdir()}
+    assert ({"adapter_model.safetensors", "adapter_config.json"} if lora else {"model.safetensors"}) <= files
+    trainer.save_state(tmp_path / "s")
+    other = TorchTrainer(cfg, tmp_path / "w", tmp_path / "s")
+    for a, b in zip(trainer.model.parameters(), other.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    samples = random_samples(4, 200, seed=2)
+    assert trainer.step(samples).loss == pytest.approx(other.step(samples).loss, abs=1e-6)
+    if not lora:
+        with pytest.raises(RuntimeError, match="does not fit"):
+            (tmp_path / "w" / "model.safetensors").rename(tmp_path / "w" / "gone")
+            load_weights(other.model, tmp_path / "w")
