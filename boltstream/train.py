@@ -101,11 +101,12 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             if cfg.agent_match:
                 stream += ["--agent-match", cfg.agent_match]
             if cfg.air_rules:
-                stream += ["--air-rules", str(cfg.air_rules)]
+                stream += ["--air-rules-file", str(cfg.air_rules)]
             procs.start("stream", *stream)
-            learn = ["learn", "--model", cfg.model, "--groups-per-step", str(cfg.groups_per_step),
-                     "--max-steps", str(cfg.steps), "--checkpoint-every", "1", "--lr", str(cfg.lr),
-                     "--metrics", str(metrics_path)] + (["--lora"] if cfg.lora else [])
+            learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
+                     "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
+                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--metrics-path", str(metrics_path),
+                     "--lora" if cfg.lora else "--no-lora"]
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
                         "--group-size", str(cfg.group_size))
@@ -116,15 +117,15 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             deadline = started + cfg.time_budget_s - eval_reserve
 
             def learner_done() -> bool:
-                rows = [r for r in read_jsonl(metrics_path) if "step" in r]
+                rows = _steps(metrics_path)
                 if display is not None:
                     display.update(rows=rows, version=worker_version(port), procs=procs)
                 return bool(rows) and rows[-1]["step"] >= cfg.steps
 
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
-            rows = [r for r in read_jsonl(metrics_path) if "step" in r]
-            final_version = max((int(r.get("policy_version", r["step"])) for r in rows), default=0)
+            rows = _steps(metrics_path)
+            final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
             summary["learner_steps"] = len(rows)
             procs.stop("runner")
             procs.stop("tasks")
@@ -143,13 +144,18 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     return summary
 
 
+def _steps(metrics_path: Path) -> list[dict[str, Any]]:
+    """The learner's step records (its JSONL also holds checkpoint and resume lines)."""
+    return [r for r in read_jsonl(metrics_path) if r.get("event") == "step"]
+
+
 def _plot(metrics_path: Path, summary: dict[str, Any], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_jsonl(metrics_path) if "step" in r]
+    rows = _steps(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4))
     if rows:
         ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker="o",
