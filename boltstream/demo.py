@@ -8,11 +8,13 @@ real S3 endpoint; Ctrl-C stops them all.
 from __future__ import annotations
 
 import argparse
+import sys
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from boltstream.errors import BoltstreamError
 from boltstream.pipeline import PipelineConfig, Processes
 from boltstream.train import _common, add_arguments, print_summary, run
 
@@ -65,6 +67,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     data = Path(args.out or "out/demo") / "data"
     data.mkdir(parents=True, exist_ok=True)
+    if not (REPO / "examples" / "calc").is_dir():
+        raise BoltstreamError("boltstream demo runs from a source checkout (it needs examples/calc)")
+    sys.path.insert(0, str(REPO))
     from examples.calc.tasks import train_test
 
     train, test = train_test(n_train=256, n_test=32, seed=0)
@@ -74,6 +79,10 @@ def main(argv: list[str]) -> int:
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     kwargs = _common(args, Path("out/demo"))
     kwargs.setdefault("air_rules", REPO / "examples" / "calc" / "air.yaml")
+    # Sized for 15 minutes on 2 CPU cores, evaluation included.
+    for key, value in (("steps", 6), ("groups_per_step", 2), ("group_size", 4), ("eval_tasks", 16),
+                       ("eval_samples", 2), ("time_budget_s", 840.0)):
+        kwargs.setdefault(key, value)
     cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
                          extra_env=(("PYTHONPATH", str(REPO)),), **kwargs)
     if args.no_live:
