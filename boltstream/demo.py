@@ -8,8 +8,8 @@ real S3 endpoint; Ctrl-C stops them all.
 from __future__ import annotations
 
 import argparse
-import sys
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)
     cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
-                         extra_env=(("PYTHONPATH", str(REPO)),), **kwargs)
+                         extra_env=(("PYTHONPATH", str(REPO)),
+                                    ("CALC_TEMPERATURE", str(kwargs.get("temperature", 0.7)))), **kwargs)
     if args.no_live:
         summary = run(cfg, external=args.external)
     else:

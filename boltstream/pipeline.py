@@ -47,6 +47,10 @@ class PipelineConfig:
     eval_samples: int = 2
     eval_tasks: int | None = None
     lr: float = 2e-4
+    # The agent's sampling temperature: the learner must score tokens under the same
+    # distribution the worker sampled from (log_softmax(logits / T)), or the PPO
+    # ratio is off even on-policy.
+    temperature: float = 0.7
     agent_match: str | None = None
     air_rules: Path | None = None
     extra_env: tuple[tuple[str, str], ...] = ()

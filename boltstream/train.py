@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--lr", type=float, default=None)
+    a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
     a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
@@ -105,7 +106,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             procs.start("stream", *stream)
             learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
                      "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
-                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--metrics-path", str(metrics_path),
+                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--temperature", str(cfg.temperature), "--metrics-path", str(metrics_path),
                      "--lora" if cfg.lora else "--no-lora"]
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
@@ -192,7 +193,7 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "out": args.out or default_out, "model": args.model, "steps": args.steps,
         "time_budget_s": args.time_budget, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
-        "eval_tasks": args.eval_tasks, "lr": args.lr, "agent_match": args.agent_match,
+        "eval_tasks": args.eval_tasks, "lr": args.lr, "temperature": args.temperature, "agent_match": args.agent_match,
         "air_rules": args.air_rules,
     }
     kwargs = {k: v for k, v in given.items() if v is not None}

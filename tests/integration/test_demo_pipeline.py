@@ -19,7 +19,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     cfg = PipelineConfig(
         agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
         out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=2, steps=2,
-        time_budget_s=400, runner_workers=4, eval_samples=1,
+        time_budget_s=400, runner_workers=4, eval_samples=1, temperature=1.0,
         air_rules=REPO / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", "1.0")),
     )
