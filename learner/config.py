@@ -139,20 +139,8 @@ class LearnerConfig:
 
     def step_config(self, pad_token_id: int = 0) -> StepConfig:
         """The :class:`StepConfig` these knobs describe."""
-        return StepConfig(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            loss_agg=self.loss_agg,
-            decoupled=self.decoupled,
-            is_cap=self.is_cap,
-            kl_coef=self.kl_coef,
-            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
-            max_grad_norm=self.max_grad_norm,
-            logprob_chunk_size=self.logprob_chunk_size,
-            temperature=self.temperature,
-            pad_token_id=pad_token_id,
-        )
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(StepConfig) if hasattr(self, f.name)}
+        return StepConfig(**{**shared, "pad_token_id": pad_token_id})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view without credentials (logged at start, stored in checkpoints)."""

@@ -135,14 +135,8 @@ class StreamApp:
                 await stage.on_record(message, time.time())
             except Exception as exc:  # never let one record kill the agent (faust would ack it anyway)
                 log.exception("%s[%d]@%d: internal error", message.topic, message.partition, message.offset)
-                await self.dlq.send(
-                    f"internal error in the {stage.kind} stage: {type(exc).__name__}: {exc}",
-                    topic=message.topic,
-                    partition=message.partition,
-                    offset=message.offset,
-                    key=message.key,
-                    value=message.value,
-                    category="internal_error",
+                await self.dlq.reject(
+                    message, f"internal error in the {stage.kind} stage: {type(exc).__name__}: {exc}", "internal_error"
                 )
 
     async def _rollout_agent(self, stream: Any) -> None:

@@ -81,3 +81,8 @@ class DeadLetters:
         )
         data = self.codec.encode("DeadLetter", record, topic=self.topic)
         return await self.app.producer.send(self.topic, record["key"], data, None, None, None)  # type: ignore[no-any-return]
+
+    async def reject(self, message: Any, reason: str, category: str = "invalid") -> asyncio.Future[Any]:
+        """Dead-letter a consumed record whole, with where it came from."""
+        return await self.send(reason, topic=message.topic, partition=message.partition, offset=message.offset,
+                               key=message.key, value=message.value, category=category)

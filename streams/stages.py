@@ -88,27 +88,11 @@ class _Stage(Accumulator):
         try:
             return self.decode_item(message.value)
         except SchemaError as exc:
-            await self.dlq.send(
-                f"undecodable {self.record}: {exc}",
-                topic=message.topic,
-                partition=message.partition,
-                offset=message.offset,
-                key=message.key,
-                value=message.value,
-                category="undecodable",
-            )
+            await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
             return None
 
     async def _reject(self, message: Any, reason: str, category: str) -> None:
-        await self.dlq.send(
-            reason,
-            topic=message.topic,
-            partition=message.partition,
-            offset=message.offset,
-            key=message.key,
-            value=message.value,
-            category=category,
-        )
+        await self.dlq.reject(message, reason, category)
 
 
 class RolloutStage(_Stage):
