@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     from examples.calc.tasks import train_test
 
-    train, test = train_test(n_train=256, n_test=32, seed=0)
+    train, test = train_test(n_train=256, n_test=32, seed=args.seed or 0)
     import json
 
     for name, tasks in (("train", train), ("test", test)):

@@ -53,6 +53,7 @@ class PipelineConfig:
     temperature: float = 0.7
     agent_match: str | None = None
     air_rules: Path | None = None
+    seed: int = 0  # the learner's (LoRA init, RNG); the demo also seeds its tasks with it
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

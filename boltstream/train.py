@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--lr", type=float, default=None)
     a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
+    a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
     a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
@@ -98,6 +99,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             summary["before"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
+            train_started = time.monotonic()
             stream = ["stream", "worker", "--group-size", str(cfg.group_size)]
             if cfg.agent_match:
                 stream += ["--agent-match", cfg.agent_match]
@@ -107,6 +109,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
                      "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
                      "--checkpoint-every", "1", "--lr", str(cfg.lr), "--temperature", str(cfg.temperature), "--metrics-path", str(metrics_path),
+                     "--seed", str(cfg.seed),
                      "--lora" if cfg.lora else "--no-lora"]
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
@@ -126,6 +129,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
             rows = _steps(metrics_path)
+            summary["train_s"] = round(time.monotonic() - train_started, 1)
             final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
             summary["learner_steps"] = len(rows)
             procs.stop("runner")
@@ -194,7 +198,7 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "time_budget_s": args.time_budget, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
         "eval_tasks": args.eval_tasks, "lr": args.lr, "temperature": args.temperature, "agent_match": args.agent_match,
-        "air_rules": args.air_rules,
+        "air_rules": args.air_rules, "seed": args.seed,
     }
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.full:
