@@ -180,7 +180,8 @@ def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url
 
     def one(task: dict[str, Any], k: int, failures: list[str]) -> float:
         ctx = RolloutContext(rollout_id=f"eval-{task.get('id')}-{k}", attempt_id=f"eval:{k}",
-                             task_id=str(task.get("id")), attempt=k, task=task, base_url=base_url)
+                             task_id=str(task.get("id")), attempt=k, task=task, base_url=base_url,
+                             capture=False)  # held-out calls must never become training data
         try:
             value = agent_fn(task, ctx)
         except Exception as exc:  # an agent failure scores 0 in evaluation, and is logged

@@ -44,11 +44,16 @@ class CallContext:
     trace_id: str = ""
     parent_span_id: str | None = None
     start_ns: int = 0
+    capture: bool = True  # False: X-Boltstream-Capture: off or a /nocapture/v1 base URL (evaluation)
 
     @classmethod
-    def from_request(cls, headers: Mapping[str, str], path_ids: Mapping[str, str] | None) -> CallContext:
+    def from_request(cls, headers: Mapping[str, str], path_ids: Mapping[str, str] | None,
+                     capture: bool = True) -> CallContext:
         """Ids from the base URL win over headers (an explicit per-client setting); then baggage."""
-        from boltstream.producers.headers import ids_from_headers
+        from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers
+
+        if capture is False or (headers.get(HEADER_CAPTURE) or headers.get(HEADER_CAPTURE.lower()) or "").strip().lower() == "off":
+            return cls(capture=False, trace_id=secrets.token_hex(16), start_ns=time.time_ns())
 
         ids = {k: v for k, v in ids_from_headers(headers).items() if v and v not in ("-", "~")}
         ids.update({k: v for k, v in (path_ids or {}).items() if v and v not in ("-", "~")})

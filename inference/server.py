@@ -32,6 +32,7 @@ from boltstream.inference.capture import ROLLOUT_ID, CallContext, SpanSink
 from boltstream.inference.protocol import ApiError, error_body, parse_json
 from boltstream.inference.reload import CheckpointFollower, ReloadStatus
 from boltstream.inference.service import CompletionService, Metrics
+from boltstream.producers.headers import NO_CAPTURE_SEGMENT
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,18 @@ def rollout_ids_from_path(path: str) -> tuple[dict[str, str], str] | None:
 
 
 class RolloutPathMiddleware:
-    """Strips ``/rollout/...`` ids from the path before routing and keeps them in the request state."""
+    """Strips ``/rollout/...`` ids (or a ``/nocapture`` prefix) from the path before routing and keeps
+    them in the request state."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and "/rollout/" in scope["path"]:
+        if scope["type"] == "http" and scope["path"].startswith(f"/{NO_CAPTURE_SEGMENT}/"):
+            rest = scope["path"][len(NO_CAPTURE_SEGMENT) + 1:]
+            scope = dict(scope, path=rest, raw_path=rest.encode())
+            scope.setdefault("state", {})["capture"] = False
+        elif scope["type"] == "http" and "/rollout/" in scope["path"]:
             parsed = rollout_ids_from_path(scope["path"])
             if parsed is not None:
                 ids, rest = parsed
@@ -140,7 +146,8 @@ def create_app(
                             status_code=500)
 
     def _context(request: Request) -> CallContext:
-        return CallContext.from_request(request.headers, getattr(request.state, "rollout_ids", None))
+        return CallContext.from_request(request.headers, getattr(request.state, "rollout_ids", None),
+                                        getattr(request.state, "capture", True))
 
     async def _answer(request: Request, kind: str) -> Response:
         body = parse_json(await request.body())

@@ -191,7 +191,8 @@ class CompletionService:
         gens = list(await asyncio.gather(*(self.backend.generate(p, req.params) for p in req.prompts)))
         completions = [c for g in gens for c in g.completions]
         rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
-        await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+        if ctx.capture:
+            await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
         out = P.envelope(req.kind, rid, req.model, min(g.policy_version for g in gens))
         out["choices"] = [self._choice(req, k, c) for k, c in enumerate(completions)]
         out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens), sum(len(c.token_ids) for c in completions))
@@ -281,7 +282,8 @@ class CompletionService:
                                        sum(len(c.token_ids) for c in completions))
                 yield _sse(out)
             try:
-                await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+                if ctx.capture:
+                    await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
             except ApiError as exc:
                 self._account(req, gens, t0, status=str(exc.status))
                 yield _sse(exc.body())

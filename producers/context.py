@@ -82,6 +82,9 @@ class RolloutContext:
     span: Any = field(default=None, repr=False)
     tracer: Any = field(default=None, repr=False)
     final_emitted: bool = False
+    # False for evaluation: the inference worker serves the calls but writes no spans,
+    # so held-out tasks never reach the stream app (or the learner).
+    capture: bool = True
 
     @property
     def ids(self) -> dict[str, str]:

@@ -38,6 +38,9 @@ from .context import ID_KEYS, RolloutContext, current_rollout
 HEADER_ROLLOUT_ID = "X-Boltstream-Rollout-Id"
 HEADER_ATTEMPT_ID = "X-Boltstream-Attempt-Id"
 HEADER_TASK_ID = "X-Boltstream-Task-Id"
+# "off": serve the request but write no span (evaluation traffic must never become training data).
+HEADER_CAPTURE = "X-Boltstream-Capture"
+NO_CAPTURE_SEGMENT = "nocapture"
 _PLAIN = re.compile(r"^[A-Za-z0-9._:@+=-]+$")
 _PATH = re.compile(r"^(?P<prefix>.*?)/rollout/(?P<r>[^/]+)/(?P<a>[^/]+)/(?P<t>[^/]+)(?P<rest>/.*)?$")
 _TRACE = TraceContextTextMapPropagator()
@@ -49,6 +52,8 @@ def rollout_headers(ctx: RolloutContext | None = None) -> dict[str, str]:
     ctx = ctx or current_rollout()
     if ctx is None:
         return {}
+    if not ctx.capture:
+        return {HEADER_CAPTURE: "off"}
     headers = {HEADER_ROLLOUT_ID: ctx.rollout_id, HEADER_ATTEMPT_ID: ctx.attempt_id}
     if ctx.task_id is not None:
         headers[HEADER_TASK_ID] = ctx.task_id
@@ -110,6 +115,8 @@ def rollout_base_url(base_url: str, ctx: RolloutContext | None = None) -> str:
     root = base_url.rstrip("/")
     if root.endswith("/v1"):
         root = root[:-3]
+    if not ctx.capture:
+        return f"{root}/{NO_CAPTURE_SEGMENT}/v1"
     segs = "/".join(encode_segment(v) for v in (ctx.rollout_id, ctx.attempt_id, ctx.task_id))
     return f"{root}/rollout/{segs}/v1"
 

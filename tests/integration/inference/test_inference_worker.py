@@ -8,8 +8,10 @@ from typing import Any
 
 import httpx
 import openai
+from aiokafka import TopicPartition
 
 from boltstream.checkpoints import publish_checkpoint, version_prefix
+from boltstream.kafka import log_end_offsets
 from boltstream.models import byte_tokenizer, save_model_dir, tiny_model_and_tokenizer
 from boltstream.stack import run_sync
 
@@ -19,6 +21,11 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 def test_openai_client_answers_are_captured_with_token_ids(settings, start_worker, spans_reader) -> None:
     worker = start_worker()
+    # evaluation traffic (header or base-URL form) is served but never written to the log
+    for base_url, headers in ((f"{worker.url}/v1", {**HEADERS, "X-Boltstream-Capture": "off"}),
+                              (f"{worker.url}/nocapture/v1", {})):
+        evaluation = openai.OpenAI(base_url=base_url, api_key="unused", default_headers=headers, max_retries=0)
+        assert evaluation.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4).choices
     client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", default_headers=HEADERS,
                            max_retries=0, timeout=60)
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
@@ -29,6 +36,9 @@ def test_openai_client_answers_are_captured_with_token_ids(settings, start_worke
     other = by_url.completions.create(model="tiny", prompt="2 + 2 =", max_tokens=5, temperature=0).choices[0].text
 
     spans = run_sync(spans_reader(settings, 3))
+    ends = run_sync(log_end_offsets(settings, [TopicPartition(settings.topic("spans"), p)
+                                               for p in range(settings.partitions)]))
+    assert sum(ends.values()) == 3  # nothing from the evaluation calls
     tok = byte_tokenizer()
     got = {}
     for key, span in spans:

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import boltstream
 from boltstream.producers.context import (
     ROLLOUT_NAMESPACE,
+    RolloutContext,
     RolloutTimeout,
     attempt_ids,
     current_rollout,
@@ -209,6 +210,12 @@ def test_headers_and_base_url(traced: tuple[TracerProvider, InMemorySpanExporter
     assert ids_from_headers(h) == ids
     assert ids_from_headers({"baggage": h["baggage"]}) == ids
     assert parse_rollout_path("/v1/chat/completions") is None
+
+
+def test_evaluation_context_asks_the_worker_not_to_capture() -> None:
+    ctx = RolloutContext(rollout_id="r", attempt_id="t:0", task_id="t", base_url="http://h:1/v1", capture=False)
+    assert ctx.headers == {"X-Boltstream-Capture": "off"}  # and no ids: nothing to attribute
+    assert ctx.openai_base_url == "http://h:1/nocapture/v1"
 
 
 @pytest.mark.parametrize("value", ["plain-id_1.2:3", "with/slash", "~tilde", "ü", "a b", ""])

@@ -1,0 +1,135 @@
+"""The LangGraph SQL agent (examples/sql) trains through the real pipeline, and ``agent_match`` picks one role.
+
+The agent has no tracing code: the runner process is auto-instrumented the way
+``opentelemetry-instrument`` does it (its ``sitecustomize`` on ``PYTHONPATH`` +
+``OTEL_*`` variables), which activates OpenInference's LangChain instrumentor.
+Every rollout calls the model twice, once per LangGraph node (``sql_writer``,
+``answerer``); the inference worker records both calls with token ids, and the
+stream app, run with ``--agent-match ^sql_writer$``, must train only the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import opentelemetry.instrumentation.auto_instrumentation as auto_instrumentation
+import pytest
+
+from boltstream.config import Settings
+from boltstream.pipeline import PipelineConfig, read_jsonl
+from boltstream.stack import settings_env as to_env
+from boltstream.streams.assembly import build_span_tree
+from boltstream.streams.spans import attr, has_token_ids, inherited_agent_names
+from boltstream.train import run
+from examples.sql.tasks import train_test
+
+REPO = Path(__file__).resolve().parents[2]
+SITECUSTOMIZE_DIR = os.path.dirname(auto_instrumentation.__file__)
+ROLES = {"sql_writer", "answerer"}
+
+
+async def _read_all(settings: Settings, short: str, record: str) -> list[dict[str, Any]]:
+    """Every record of a topic up to its end offsets at call time (no waiting on a guess)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from boltstream.kafka import consumer_kwargs, log_end_offsets
+    from boltstream.schemas import Codec
+
+    topic, codec = settings.topic(short), Codec()
+    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await log_end_offsets(settings, tps)  # Tansu's end_offsets() is short of the true end
+        out: list[dict[str, Any]] = []
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for recs in (await consumer.getmany(timeout_ms=500)).values():
+                out += [codec.decode(r.value, topic=topic, expect=record) for r in recs]
+        return out
+    finally:
+        await consumer.stop()
+
+
+def read_all(settings: Settings, short: str, record: str) -> list[dict[str, Any]]:
+    return asyncio.run(asyncio.wait_for(_read_all(settings, short, record), 60))
+
+
+def _role(span: dict[str, Any]) -> str | None:
+    """The LangGraph node an OpenInference span names in its ``metadata``."""
+    raw = attr(span, "metadata")
+    return json.loads(raw).get("langgraph_node") if isinstance(raw, str) else None
+
+
+def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in to_env(settings).items():  # train.run(external=True) reads the session stack from env
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("BOLTSTREAM_STATE_FILE", str(tmp_path / "no-stack.json"))
+    train, test = train_test(n_train=6, n_test=2, seed=5)
+    for name, tasks in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    cfg = PipelineConfig(
+        agent="examples.sql.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
+        out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=1, steps=2,
+        time_budget_s=240, runner_workers=4, eval_samples=1, temperature=1.0, agent_match="^sql_writer$",
+        air_rules=REPO / "examples" / "sql" / "air.yaml",
+        extra_env=(
+            # what `opentelemetry-instrument` does: its sitecustomize loads every installed instrumentor
+            ("PYTHONPATH", os.pathsep.join([SITECUSTOMIZE_DIR, str(REPO)])),
+            ("OTEL_TRACES_EXPORTER", "none"),  # the runner adds boltstream's exporter itself
+            ("OTEL_METRICS_EXPORTER", "none"), ("OTEL_LOGS_EXPORTER", "none"),
+            # LangChain's spans only: the OpenAI SDK one would sit outside the LangGraph node
+            ("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "openai"),
+            ("SQL_TEMPERATURE", "1.0"),
+        ),
+    )
+    summary = run(cfg, external=True)
+
+    steps = [r for r in read_jsonl(cfg.out / "metrics.jsonl") if r.get("event") == "step"]
+    assert [r["step"] for r in steps][:2] == [1, 2] and all(r["samples"] > 0 for r in steps)
+    assert summary["policy_version_served"] >= 2
+
+    spans = read_all(settings, "spans", "Span")
+    trajectories = read_all(settings, "trajectories", "Trajectory")
+    trained = {t["rollout_id"]: t for t in trajectories}
+    assert trained, "no trajectories"
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        if span.get("rollout_id") in trained:
+            by_rollout.setdefault(span["rollout_id"], []).append(span)
+
+    # The agent called both roles: OpenInference's LLM spans name each LangGraph node.
+    client_roles = {_role(s) for group in by_rollout.values() for s in group
+                    if attr(s, "openinference.span.kind") == "LLM"}
+    assert client_roles == ROLES
+    # ... and the worker recorded every one of those calls with token ids (two per finished rollout).
+    worker_calls = {rid: [s for s in group if has_token_ids(s)] for rid, group in by_rollout.items()}
+    finished = [rid for rid, t in trained.items() if t["status"] == "ok"]
+    assert finished and all(len(worker_calls[rid]) == 2 for rid in finished)
+    # No traceparent reaches the worker (see examples/sql/agent.py solve()): the stream app's tree repair
+    # puts each worker call under the ChatOpenAI span containing it, whose metadata names the node.
+    role_of_call: dict[str, str | None] = {}
+    for rid in finished:
+        assert all(c["parent_span_id"] is None for c in worker_calls[rid])
+        tree = build_span_tree(by_rollout[rid])
+        names = inherited_agent_names(tree.spans, tree.parent_of)
+        role_of_call.update((c["span_id"], names[c["span_id"]]) for c in worker_calls[rid])
+        assert sorted(names[c["span_id"]] for c in worker_calls[rid]) == ["answerer", "sql_writer"]
+
+    # agent_match: only the sql_writer's call of each rollout became a training turn.
+    turns = [turn for rid in finished for turn in trained[rid]["turns"]]
+    assert len(turns) == len(finished)
+    assert {turn["agent_name"] for turn in turns} == {"sql_writer"}
+    assert {turn["span_id"] for turn in turns} == {sid for sid, role in role_of_call.items() if role == "sql_writer"}
+    # AIR saw OpenInference's `execute_sql` tool span and rewarded the call that wrote the query.
+    tool_spans = {rid: [s for s in by_rollout[rid] if s["name"] == "execute_sql"] for rid in finished}
+    for rid in finished:
+        (turn,), (tool,) = trained[rid]["turns"], tool_spans[rid]
+        expected = {"sql_ran"} | ({"tool_error"} if tool["status"]["code"] == "ERROR" else set())
+        assert {r["name"] for r in turn["rewards"]} == expected

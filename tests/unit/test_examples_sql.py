@@ -1,0 +1,124 @@
+"""examples/sql: the seeded database, the question generator, the reward, the graph, and its spans.
+
+No network and no model: the graph runs on LangChain's fake chat model, and the
+spans come from OpenInference's LangChain instrumentor into an in-memory exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.language_models.fake_chat_models import FakeListChatModel
+
+from boltstream.producers.normalise import normalise_span
+from boltstream.streams.air import CallRef, evaluate_air
+from boltstream.streams.spans import inherited_agent_names, is_llm_span, is_tool_span, own_agent_name
+from examples.sql import db, tasks
+from examples.sql.agent import build_graph, extract_sql, parse_answer, reward, run_agent
+
+
+def test_database_is_deterministic_per_seed() -> None:
+    rows = lambda seed: db.query("SELECT * FROM orders ORDER BY id", seed, max_rows=1000)  # noqa: E731
+    assert rows(0) == rows(0) and len(rows(0)) == 60
+    assert rows(0) != rows(1)
+
+
+def test_each_connection_is_a_private_read_only_copy() -> None:
+    with pytest.raises(sqlite3.OperationalError):
+        db.query("DROP TABLE orders")
+    assert db.query("SELECT COUNT(*) FROM orders") == [(60,)]
+
+
+def test_a_runaway_query_is_cut_short() -> None:
+    started = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="interrupt"):
+        db.query("SELECT COUNT(*) FROM orders a, orders b, orders c, orders d, orders e")
+    assert time.monotonic() - started < 10
+
+
+def test_splits_are_seeded_disjoint_and_answered_by_the_database() -> None:
+    train, test = tasks.train_test(n_train=40, n_test=10, seed=3)
+    assert (train, test) == tasks.train_test(n_train=40, n_test=10, seed=3)
+    assert not {t["question"] for t in train} & {t["question"] for t in test}
+    assert len({t["task_id"] for t in train + test}) == 50
+    by_question = {q["question"]: q for q in tasks.all_questions()}
+    for task in train + test:
+        assert set(task) == {"task_id", "id", "question", "answer", "kind", "db_seed"}
+        assert task["answer"] == str(db.query(by_question[task["question"]]["sql"])[0][0])
+    with pytest.raises(ValueError, match="distinct questions"):
+        tasks.train_test(n_train=1000, n_test=10)
+
+
+@pytest.mark.parametrize(("answer", "expected", "value"), [
+    ("3", "3", 1.0), ("3.0", "3", 1.0), (" 3. ", "3", 1.0), ("4", "3", 0.0), (None, "3", 0.0),
+    ("'porto'", "Porto", 1.0), ("Lyon", "Porto", 0.0), ("three", "3", 0.0),
+])
+def test_reward_is_an_exact_match(answer: str | None, expected: str, value: float) -> None:
+    assert reward(answer, expected) == value
+
+
+def test_parsing_the_models_replies() -> None:
+    assert extract_sql("```sql\nSELECT 1; DROP TABLE x\n```") == "SELECT 1"
+    assert parse_answer("ANSWER: Porto") == "Porto"
+    assert parse_answer("I think it is 3") is None
+
+
+def _graph(sql: str, answer: str) -> Any:
+    return build_graph(FakeListChatModel(responses=[sql]), FakeListChatModel(responses=[answer]))
+
+
+def test_the_graph_answers_through_the_database() -> None:
+    question = "How many customers live in Oslo?"
+    expected = str(db.query("SELECT COUNT(*) FROM customers WHERE city = 'Oslo'")[0][0])
+    graph = _graph("SELECT COUNT(*) FROM customers WHERE city = 'Oslo'", f"ANSWER: {expected}")
+    assert reward(run_agent(graph, question), expected) == 1.0
+
+
+def test_failed_sql_reaches_the_answerer_as_an_error() -> None:
+    answerer = FakeListChatModel(responses=["ANSWER: 0"])
+    graph = build_graph(FakeListChatModel(responses=["SELEC nonsense"]), answerer)
+    state = graph.invoke({"question": "How many?"})
+    assert state["result"].startswith("ERROR:") and state["answer"] == "0"
+
+
+@pytest.fixture
+def langchain_spans() -> Iterator[Any]:
+    """OpenInference's LangChain instrumentor writing to a private provider, removed afterwards."""
+    from openinference.instrumentation.langchain import LangChainInstrumentor
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor = LangChainInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    try:
+        yield exporter
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+
+
+def test_openinference_spans_name_each_role_and_fail_the_tool(langchain_spans: Any) -> None:
+    """What the stream app reads: the node of every LLM span, and a failed query as a tool error."""
+    _graph("SELECT nope FROM customers", "ANSWER: 1").invoke({"question": "q"})
+    spans = {s["span_id"]: s for s in map(normalise_span, langchain_spans.get_finished_spans())}
+    parent_of = {sid: s["parent_span_id"] for sid, s in spans.items()}
+    llm = [s for s in spans.values() if is_llm_span(s)]
+    assert sorted(own_agent_name(s) for s in llm) == ["answerer", "sql_writer"]
+    names = inherited_agent_names(spans, parent_of)
+    (tool,) = [s for s in spans.values() if is_tool_span(s)]
+    assert tool["name"] == "execute_sql" and tool["status"]["code"] == "ERROR"
+    assert names[tool["span_id"]] == "run_sql"
+    assert json.loads(tool["attributes"]["input.value"])["query"] == "SELECT nope FROM customers"
+    # the default tool_error rule would charge the query's writer
+    writer = next(s for s in llm if own_agent_name(s) == "sql_writer")
+    air = evaluate_air(spans.values(), [CallRef(s["span_id"], s["end_time_ns"]) for s in llm], parent_of=parent_of)
+    assert [r["name"] for r in air.rewards_by_call.get(writer["span_id"], [])] == ["tool_error"]
