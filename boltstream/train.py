@@ -96,7 +96,9 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             base_url = f"http://127.0.0.1:{port}/v1"
 
             log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
+            eval_started = time.monotonic()
             summary["before"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
+            eval_s = time.monotonic() - eval_started
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
             train_started = time.monotonic()
@@ -117,7 +119,9 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             procs.start("runner", "runner", "--agent", cfg.agent, "--workers", str(cfg.runner_workers),
                         "--group-size", str(cfg.group_size), "--base-url", base_url)
 
-            eval_reserve = 2.5 * (time.monotonic() - started)  # the after-eval costs about what the first phase did
+            # The after-eval costs what the before-eval did, a little more while the last checkpoint
+            # loads and the other components stop: reserve that, not more (every second is training).
+            eval_reserve = 1.5 * eval_s + 30.0
             deadline = started + cfg.time_budget_s - eval_reserve
 
             def learner_done() -> bool:
