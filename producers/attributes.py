@@ -104,20 +104,29 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def convert_attributes(attrs: Mapping[str, Any] | None) -> dict[str, AvroAttr]:
-    """A whole attribute mapping -> the schema's map (keys as str)."""
+def convert_attributes(attrs: Mapping[str, Any] | None,
+                       exclude: frozenset[str] | set[str] = frozenset()) -> dict[str, AvroAttr]:
+    """A whole attribute mapping -> the schema's map (keys as str), leaving out the names in ``exclude``."""
     if not attrs:
         return {}
     scalars = _SCALARS
     try:  # keys are str (the SDK and OTLP guarantee it); most values need no conversion
+        if exclude:
+            return {k if type(k) is str else str(k): v if type(v) in scalars else attr_value(v)
+                    for k, v in attrs.items() if k not in exclude}
         return {k if type(k) is str else str(k): v if type(v) in scalars else attr_value(v)
                 for k, v in attrs.items()}
     except Exception:
-        return _convert_slow(attrs)
+        return _convert_slow(attrs, exclude)
 
 
-def _convert_slow(attrs: Mapping[Any, Any]) -> dict[str, AvroAttr]:
-    return {k if type(k) is str else str(k): attr_value(v) for k, v in attrs.items()}
+def _convert_slow(attrs: Mapping[Any, Any], exclude: frozenset[str] | set[str]) -> dict[str, AvroAttr]:
+    out: dict[str, AvroAttr] = {}
+    for k, v in attrs.items():
+        key = k if type(k) is str else str(k)
+        if key not in exclude:
+            out[key] = attr_value(v)
+    return out
 
 
 _SCALARS = frozenset((str, bool, float, type(None)))
@@ -197,6 +206,14 @@ def float_array(v: Any) -> list[float] | None:
 
 def as_float(v: Any) -> float | None:
     """A finite number from a number or numeric string; None otherwise (bools are not numbers here)."""
+    t = type(v)
+    if t is float:  # fast paths: the ABC check below costs more than the rest together
+        return v if math.isfinite(v) else None
+    if t is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return None
     if isinstance(v, bool) or v is None:
         return None
     if isinstance(v, str):
@@ -212,6 +229,8 @@ def as_float(v: Any) -> float | None:
 
 def as_int(v: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int | None:
     """An integer in [lo, hi] from an int, an integral float or a numeric string; None otherwise."""
+    if type(v) is int:
+        return v if lo <= v <= hi else None
     f = as_float(v) if not isinstance(v, int) or isinstance(v, bool) else v
     if f is None or isinstance(f, bool):
         return None

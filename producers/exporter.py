@@ -216,20 +216,22 @@ class KafkaSpanExporter(SpanExporter):
         """Normalise + encode; a span that cannot be encoded is counted and logged, never raised."""
         normaliser, encoder = self._get_encoder()
         out: list[Encoded] = []
+        append = out.append
         errors = truncated = 0
         for span in spans:
             try:
                 key, value, removed = encoder(normaliser(span))
-                if removed:
-                    truncated += 1
-                    log.warning("boltstream exporter: span %r truncated to %d bytes; removed %s",
-                                getattr(span, "name", "?"), len(value), ", ".join(removed[:5]))
-                out.append((key, value))
             except Exception as exc:
                 errors += 1
                 if errors == 1:
                     log.error("boltstream exporter: cannot encode span %r: %s; dropped",
                               getattr(span, "name", "?"), exc, exc_info=True)
+                continue
+            if removed:
+                truncated += 1
+                log.warning("boltstream exporter: span %r truncated to %d bytes; removed %s",
+                            getattr(span, "name", "?"), len(value), ", ".join(removed[:5]))
+            append((key, value))
         if errors or truncated:
             with self._counters.lock:
                 self._counters.dropped_encode_error += errors

@@ -24,11 +24,11 @@ additive: derived attributes (``boltstream.span.kind``, canonical
 ``gen_ai.input.messages`` / ``gen_ai.output.messages`` JSON,
 ``boltstream.reward.*``) are added only when absent; the original attributes
 stay, except token-id arrays, which move into the typed ``llm`` block.
+Flattened messages are rebuilt by :mod:`boltstream.producers.messages`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +41,7 @@ from .attributes import (
     int_array,
     maybe_json,
 )
+from .messages import dumps, messages
 
 PROMPT_IDS = ("boltstream.llm.prompt_token_ids", "prompt_token_ids", "llm.hosted_vllm.prompt_token_ids")
 RESPONSE_IDS = ("boltstream.llm.response_token_ids", "response_token_ids", "llm.hosted_vllm.response_token_ids")
@@ -63,7 +64,6 @@ SAMPLING = {  # llm field -> (attribute names, invocation-parameter names)
 _LLM_OPERATIONS = {"chat", "text_completion", "completion", "generate_content", "responses"}
 _KIND_BY_OPERATION = {"execute_tool": "tool", "invoke_agent": "agent", "create_agent": "agent",
                       "embeddings": "embedding"}
-_dumps = json.JSONEncoder(default=str).encode  # one encoder: json.dumps(default=...) builds one per call
 
 
 def first(attrs: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
@@ -99,8 +99,23 @@ def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
     return None
 
 
+_PARAMS_CACHE: dict[str, Mapping[str, Any]] = {}
+
+
 def _invocation_params(attrs: Mapping[str, Any]) -> Mapping[str, Any]:
-    params = maybe_json(attrs.get("llm.invocation_parameters"))
+    """``llm.invocation_parameters`` as a mapping. An agent sends the same few JSON strings on every
+    call, so parses are cached by the string (results are only read, never handed out)."""
+    raw = attrs.get("llm.invocation_parameters")
+    if type(raw) is str and len(raw) <= 4096:
+        hit = _PARAMS_CACHE.get(raw)
+        if hit is None:
+            parsed = maybe_json(raw)
+            hit = parsed if isinstance(parsed, Mapping) else {}
+            if len(_PARAMS_CACHE) >= 1024:
+                _PARAMS_CACHE.clear()
+            _PARAMS_CACHE[raw] = hit
+        return hit
+    params = maybe_json(raw)
     return params if isinstance(params, Mapping) else {}
 
 
@@ -146,19 +161,35 @@ _FIELD_KEYS: dict[str, tuple[str, ...]] = {
 _KEY_INDEX: dict[str, tuple[str, int]] = {
     k: (fld, prio) for fld, keys in _FIELD_KEYS.items() for prio, k in enumerate(keys)
 }
-_CONVERT = {"temperature": as_float, "top_p": as_float, "max_tokens": lambda v: as_int(v, 0, INT32_MAX)}
+# llm field -> names to look for in the invocation parameters, in the block's field order
+_PARAM_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model", ("model",)), ("policy_version", ("policy_version",)),
+    *((name, params) for name, (_, params) in SAMPLING.items()),
+)
+_TOKEN_OR_CHOICES = TOKEN_KEYS | {VLLM_CHOICES}
+
+
+def _max_tokens(v: Any) -> int | None:
+    return as_int(v, 0, INT32_MAX)
+
+
+_CONVERT = {"model": lambda v: v if isinstance(v, str) and v else None, "temperature": as_float,
+            "top_p": as_float, "max_tokens": _max_tokens, "seed": as_int}
 
 
 def llm_block(attrs: Mapping[str, Any], output_messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Span record's typed ``llm`` block (every field present, schema defaults where unknown)."""
     found: dict[str, tuple[int, Any]] = {}
     has_tokens = False
+    index = _KEY_INDEX
     for k, v in attrs.items():
-        spec = _KEY_INDEX.get(k)
+        spec = index.get(k)
         if spec is not None:
-            if v is not None and (spec[0] not in found or spec[1] < found[spec[0]][0]):
-                found[spec[0]] = (spec[1], v)
-        elif k in TOKEN_KEYS or k == VLLM_CHOICES:
+            if v is not None:
+                prev = found.get(spec[0])
+                if prev is None or spec[1] < prev[0]:
+                    found[spec[0]] = (spec[1], v)
+        elif k in _TOKEN_OR_CHOICES:
             has_tokens = True
     prompt = response = logprobs = None
     if has_tokens:
@@ -167,141 +198,30 @@ def llm_block(attrs: Mapping[str, Any], output_messages: list[dict[str, Any]] | 
         if response is None and VLLM_CHOICES in attrs:
             response = _vllm_choice_ids(attrs)
         logprobs = _first_parsed(attrs, LOGPROBS, float_array)
-    params = _invocation_params(attrs) if "llm.invocation_parameters" in attrs else {}
+    params = _invocation_params(attrs) if "llm.invocation_parameters" in attrs else None
     out: dict[str, Any] = {
         "prompt_token_ids": prompt or [],
         "response_token_ids": response or [],
         "response_logprobs": logprobs or [],
     }
-    for fld in ("model", "policy_version", "temperature", "top_p", "max_tokens", "seed"):
-        raw = found[fld][1] if fld in found else None
+    for fld, names in _PARAM_NAMES:
+        hit = found.get(fld)
+        raw = hit[1] if hit is not None else None
         if raw is None and params:
-            raw = next((params[p] for p in SAMPLING[fld][1] if params.get(p) is not None), None) \
-                if fld in SAMPLING else params.get(fld)
-        if fld == "model":
-            out[fld] = raw if isinstance(raw, str) and raw else None
-        elif fld == "policy_version":
-            v = as_int(raw) if raw is not None else None
+            for name in names:
+                raw = params.get(name)
+                if raw is not None:
+                    break
+        if fld == "policy_version":
+            v = None if raw is None else as_int(raw)
             out[fld] = -1 if v is None else v
         else:
-            out[fld] = None if raw is None else _CONVERT.get(fld, as_int)(raw)
+            out[fld] = None if raw is None else _CONVERT[fld](raw)
     out["finish_reason"] = _finish_reason(attrs, output_messages)
     for fld in ("input_tokens", "output_tokens"):
-        out[fld] = as_int(found[fld][1]) if fld in found else None
+        hit = found.get(fld)
+        out[fld] = None if hit is None else as_int(hit[1])
     return out
-
-
-
-
-_BY_HEAD = {"llm.in": "llm.input_messages.", "llm.ou": "llm.output_messages.", "gen_ai": None}
-
-
-def _indexed_groups(attrs: Mapping[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
-    """``prefix.N.rest`` attributes grouped as {prefix: {N: {rest: value}}}, one pass over the keys."""
-    groups: dict[str, dict[int, dict[str, Any]]] = {}
-    by_head = _BY_HEAD
-    for k, v in attrs.items():
-        head = k[:6]
-        if head not in by_head:
-            continue  # the common case: one slice and one dict lookup per attribute
-        prefix = by_head[head]
-        if prefix is None:
-            prefix = "gen_ai.prompt." if k.startswith("gen_ai.prompt.") else (
-                "gen_ai.completion." if k.startswith("gen_ai.completion.") else None)
-            if prefix is None:
-                continue
-        elif not k.startswith(prefix):
-            continue
-        idx, _, rest = k[len(prefix):].partition(".")
-        if idx.isdigit() and rest:
-            groups.setdefault(prefix[:-1], {}).setdefault(int(idx), {})[rest] = v
-    return groups
-
-
-def _arguments(v: Any) -> Any:
-    parsed = maybe_json(v)
-    return parsed if isinstance(parsed, Mapping | list) else v
-
-
-def _sub_indexed(fields: Mapping[str, Any], prefix: str) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for k, v in fields.items():
-        if k.startswith(prefix):
-            idx, _, rest = k[len(prefix):].partition(".")
-            if idx.isdigit():
-                out.setdefault(int(idx), {})[rest] = v
-    return out
-
-
-def _message(fields: Mapping[str, Any], openinference: bool) -> tuple[dict[str, Any], list[str]]:
-    """One flattened message (legacy GenAI or OpenInference names) -> (semconv message, field names used)."""
-    p = "message." if openinference else ""
-    used = [k for k in (f"{p}role", f"{p}content", f"{p}tool_call_id", "finish_reason") if k in fields]
-    role = fields.get(f"{p}role") or "user"
-    parts: list[dict[str, Any]] = []
-    content = fields.get(f"{p}content")
-    if openinference and content is None:
-        texts = []
-        for idx, c in sorted(_sub_indexed(fields, "message.contents.").items()):
-            if c.get("message_content.type", "text") == "text" and isinstance(c.get("message_content.text"), str):
-                texts.append(c["message_content.text"])
-                used.extend(f"message.contents.{idx}.{k}" for k in c
-                            if k in ("message_content.text", "message_content.type"))
-        content = "".join(texts) or None
-    call_id = fields.get(f"{p}tool_call_id")
-    if role == "tool" and content is not None:
-        parts.append({"type": "tool_call_response", "id": call_id, "response": content})
-    elif content is not None:
-        parts.append({"type": "text", "content": content if isinstance(content, str) else _dumps(content)})
-    tc_prefix = f"{p}tool_calls."
-    names = _TOOL_CALL_OI if openinference else _TOOL_CALL_LEGACY
-    for idx, tc in sorted(_sub_indexed(fields, tc_prefix).items()):
-        tid, name, args = (tc.get(k) for k in names)
-        parts.append({"type": "tool_call", "id": tid, "name": name, "arguments": _arguments(args)})
-        used.extend(f"{tc_prefix}{idx}.{k}" for k in names if k in tc)
-    msg: dict[str, Any] = {"role": role, "parts": parts}
-    finish = fields.get("finish_reason")
-    if isinstance(finish, str):
-        msg["finish_reason"] = finish
-    return msg, used
-
-
-_TOOL_CALL_OI = ("tool_call.id", "tool_call.function.name", "tool_call.function.arguments")
-_TOOL_CALL_LEGACY = ("id", "name", "arguments")
-
-
-def messages(attrs: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None,
-                                                 list[str]]:
-    """(input, output, attribute names consumed): messages in the current semconv shape from any dialect.
-
-    The consumed names are the flattened attributes (``llm.input_messages.0.message.role`` ...)
-    whose content is now in the canonical messages; fields we do not understand are not listed.
-    """
-    cur_in = maybe_json(attrs.get("gen_ai.input.messages"))
-    cur_out = maybe_json(attrs.get("gen_ai.output.messages"))
-    need_in, need_out = not isinstance(cur_in, list), not isinstance(cur_out, list)
-    consumed: list[str] = []
-    if not (need_in or need_out):
-        return cur_in, cur_out, consumed
-    groups = _indexed_groups(attrs)
-
-    def build(current: str, legacy: str) -> list[dict[str, Any]] | None:
-        prefix, oi = (current, True) if current in groups else (legacy, False)
-        src = groups.get(prefix)
-        if not src:
-            return None
-        out = []
-        for idx, fields in sorted(src.items()):
-            msg, used = _message(fields, oi)
-            out.append(msg)
-            consumed.extend(f"{prefix}.{idx}.{k}" for k in used)
-        return out
-
-    if need_in:
-        cur_in = build("llm.input_messages", "gen_ai.prompt")
-    if need_out:
-        cur_out = build("llm.output_messages", "gen_ai.completion")
-    return cur_in, cur_out, consumed
 
 
 def _agl_reward(attrs: Mapping[str, Any]) -> tuple[str, float] | None:
@@ -342,8 +262,8 @@ def derived_attributes(name: str, attrs: Mapping[str, Any]) -> tuple[dict[str, A
     if kind == "llm":
         msgs_in, msgs_out, consumed = messages(attrs)
         if msgs_in is not None and not isinstance(attrs.get("gen_ai.input.messages"), str):
-            added["gen_ai.input.messages"] = _dumps(msgs_in)
+            added["gen_ai.input.messages"] = dumps(msgs_in)
         if msgs_out is not None and not isinstance(attrs.get("gen_ai.output.messages"), str):
-            added["gen_ai.output.messages"] = _dumps(msgs_out)
+            added["gen_ai.output.messages"] = dumps(msgs_out)
         llm = llm_block(attrs, msgs_out)
     return added, llm, consumed

@@ -35,6 +35,8 @@ ID_KEYS: dict[str, tuple[str, ...]] = {
     "attempt_id": ("boltstream.attempt_id", "agentlightning.attempt_id"),
     "task_id": ("boltstream.task_id", "agentlightning.task_id"),
 }
+_ID_LOOKUP = tuple((keys, fld) for fld, keys in ID_KEYS.items())
+_ID_ATTRS = tuple(f"boltstream.{fld}" for fld in ID_KEYS)
 TRUNCATED = "boltstream.truncated"
 
 
@@ -113,12 +115,14 @@ def from_readable(span: Any) -> SpanInput:
     )
 
 
-def promoted_ids(
-    attrs: Mapping[str, Any], resource: Mapping[str, Any], defaults: Mapping[str, str | None] | None = None
-) -> dict[str, str | None]:
-    """rollout_id / attempt_id / task_id from attributes, then resource, then defaults."""
-    out: dict[str, str | None] = {}
-    for fld, keys in ID_KEYS.items():
+def _ids(attrs: Mapping[str, Any], resource: Mapping[str, Any],
+         defaults: Mapping[str, str | None] | None) -> tuple[str | None, str | None, str | None]:
+    """(rollout_id, attempt_id, task_id) from attributes, then resource, then defaults."""
+    r, a, t = attrs.get("boltstream.rollout_id"), attrs.get("boltstream.attempt_id"), attrs.get("boltstream.task_id")
+    if type(r) is str and r and type(a) is str and a and type(t) is str and t:
+        return r, a, t  # what RolloutSpanProcessor stamps on every span of a rollout: nothing to look up
+    out: list[str | None] = []
+    for keys, fld in _ID_LOOKUP:
         val = attrs.get(keys[0])  # fast path: what RolloutSpanProcessor stamps
         if type(val) is not str or not val:
             val = None
@@ -129,8 +133,15 @@ def promoted_ids(
                         break
                 if val:
                     break
-        out[fld] = val or (defaults or {}).get(fld) or None
-    return out
+        out.append(val or (defaults.get(fld) if defaults else None) or None)
+    return out[0], out[1], out[2]
+
+
+def promoted_ids(
+    attrs: Mapping[str, Any], resource: Mapping[str, Any], defaults: Mapping[str, str | None] | None = None
+) -> dict[str, str | None]:
+    """rollout_id / attempt_id / task_id from attributes, then resource, then defaults."""
+    return dict(zip(ID_KEYS, _ids(attrs, resource, defaults), strict=True))
 
 
 def _build(
@@ -141,18 +152,16 @@ def _build(
     defaults: Mapping[str, str | None] | None,
 ) -> dict[str, Any]:
     added, llm, consumed = derived_attributes(name, raw)
-    attrs = convert_attributes(raw)
-    if llm is not None:
-        for k in TOKEN_KEYS.intersection(attrs):
-            del attrs[k]  # now typed int/float arrays in the llm block
-        for k in consumed:
-            attrs.pop(k, None)  # now in the canonical gen_ai.*.messages JSON
-    if added:
-        attrs.update(convert_attributes(added))
-    ids = promoted_ids(raw, resource_raw, defaults)
-    for fld, val in ids.items():  # make the promoted ids visible as attributes too (uniform queries)
-        if val is not None:
-            attrs.setdefault(f"boltstream.{fld}", val)
+    # One pass builds the attribute map without what moved elsewhere: token arrays (now typed
+    # int/float arrays in the llm block) and flattened messages (now in gen_ai.*.messages JSON).
+    attrs = convert_attributes(raw) if llm is None else convert_attributes(
+        raw, TOKEN_KEYS.union(consumed) if consumed else TOKEN_KEYS)
+    if added:  # derived values are str / float / bool already: nothing to convert
+        attrs.update(added)
+    ids = _ids(raw, resource_raw, defaults)
+    for attr, val in zip(_ID_ATTRS, ids, strict=True):  # the promoted ids as attributes too (uniform queries)
+        if val is not None and attr not in attrs:
+            attrs[attr] = val
     return {
         "trace_id": trace_hex,
         "span_id": span_hex,
@@ -163,12 +172,13 @@ def _build(
         "end_time_ns": end,
         "status": {"code": status_code or "UNSET", "message": status_message},
         "attributes": attrs,
-        "events": [{"name": n, "time_ns": t, "attributes": convert_attributes(a)} for n, t, a in events],
+        "events": [{"name": n, "time_ns": t, "attributes": convert_attributes(a)} for n, t, a in events]
+        if events else [],
         "resource": resource,
         "scope": {"name": scope_name, "version": scope_version} if scope_name is not None else None,
-        "rollout_id": ids["rollout_id"],
-        "attempt_id": ids["attempt_id"],
-        "task_id": ids["task_id"],
+        "rollout_id": ids[0],
+        "attempt_id": ids[1],
+        "task_id": ids[2],
         "llm": llm,
     }
 
@@ -212,6 +222,8 @@ class SpanNormaliser:
         self.defaults = dict(defaults or {})
         self._cache: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._max = max_cached
+        self._trace_hex: dict[int, str] = {}
+        self._span_hex: dict[int, str] = {}
 
     def _resource(self, resource: Any) -> dict[str, Any]:
         hit = self._cache.get(id(resource))
@@ -223,6 +235,14 @@ class SpanNormaliser:
         self._cache[id(resource)] = (resource, converted)
         return converted
 
+    def _hex(self, cache: dict[int, str], v: int, fmt: str) -> str:
+        h = cache.get(v)
+        if h is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            h = cache[v] = format(v, fmt)
+        return h
+
     def __call__(self, span: Any) -> dict[str, Any]:
         try:  # SDK ReadableSpan internals: ~3x cheaper than its properties and enum names
             ctx, parent, status, scope, res = (span._context, span._parent, span._status,
@@ -232,9 +252,9 @@ class SpanNormaliser:
         except (AttributeError, KeyError):
             return normalise(from_readable(span), self.defaults, self._resource(getattr(span, "resource", None)))
         start = span._start_time or 0
-        return _build(
-            format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"),
-            format(parent.span_id, "016x") if parent is not None else None,
+        return _build(  # a trace's id, and its parents' ids, recur on many spans: formatted once
+            self._hex(self._trace_hex, ctx.trace_id, "032x"), format(ctx.span_id, "016x"),
+            self._hex(self._span_hex, parent.span_id, "016x") if parent is not None else None,
             span._name, kind, start, span._end_time or start,
             code, (status.description or None) if status is not None else None,
             _plain_dict(raw_attrs),

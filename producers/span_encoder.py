@@ -3,7 +3,12 @@
 Why not just ``Codec.encode``: fastavro resolves every value of the attribute
 map against the 9-branch union in Python (~3.5 µs per attribute), which put a
 plain 5-attribute span at ~60 µs to encode and an exporter at ~10k spans/s,
-half the goal. Writing the known layout directly costs ~0.3 µs per attribute.
+half the goal. Writing the known layout directly costs ~0.2 µs per attribute.
+What repeats from span to span is encoded once and cached (bounded): attribute
+names, trace ids, names, the status, and the record's tail (resource map,
+scope, promoted ids: the same for every span of a rollout); nanosecond
+timestamps take an arithmetic fast path. ~5 µs for a tool span, ~9 µs for an
+LLM span with messages (2 cores, Python 3.11).
 
 Safety: the layout below is the Span v1 schema. :class:`FastSpanEncoder`
 derives the union branch order from the schema the codec actually uses, and
@@ -22,17 +27,20 @@ import functools
 import logging
 import struct
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
+
+from .truncate import FRAMING_BYTES, fit
 
 log = logging.getLogger(__name__)
 
 _pack_d = struct.Struct("<d").pack
+_pack_u32 = struct.Struct("<I").pack
 _SMALL = 1 << 14
 
 
-def _varint(n: int) -> bytes:
-    """Zig-zag varint of a signed 64-bit integer (Avro ``int``/``long``)."""
-    z = (n << 1) ^ (n >> 63)
+def _uvarint(z: int) -> bytes:
+    """Unsigned base-128 varint (the zig-zagged value of an Avro ``long``)."""
     out = bytearray()
     while z > 0x7F:
         out.append((z & 0x7F) | 0x80)
@@ -41,11 +49,32 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def _varint(n: int) -> bytes:
+    """Zig-zag varint of a signed 64-bit integer (Avro ``int``/``long``)."""
+    return _uvarint((n << 1) ^ (n >> 63))
+
+
 _LEN = [_varint(i) for i in range(_SMALL)]
+_HIGH: dict[int, bytes] = {}
 
 
 def _long(n: int) -> bytes:
-    return _LEN[n] if 0 <= n < _SMALL else _varint(n)
+    """Avro ``long``. Small numbers come from a table. Nanosecond timestamps (two 9-byte varints per
+    span, ~1.5 µs each with a byte loop) take a fast path: the low 28 bits are spread into four
+    continuation bytes arithmetically, and the varint of the rest, shared by every timestamp of a
+    ~0.13 s window, comes from a small cache."""
+    if 0 <= n < _SMALL:
+        return _LEN[n]
+    z = (n << 1) ^ (n >> 63)
+    if z < 1 << 28:
+        return _uvarint(z)
+    high = _HIGH.get(z >> 28)
+    if high is None:
+        if len(_HIGH) > 4096:
+            _HIGH.clear()
+        high = _HIGH[z >> 28] = _uvarint(z >> 28)
+    return _pack_u32((z & 0x7F) | ((z & 0x3F80) << 1) | ((z & 0x1FC000) << 2) | ((z & 0xFE00000) << 3)
+                     | 0x80808080) + high
 
 
 @functools.lru_cache(maxsize=65536)
@@ -105,6 +134,7 @@ def _str(s: str, w: Callable[[bytes], Any]) -> None:
     w(b)
 
 
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 _ARRAY_KEYS = {"bools": "BoolArray", "longs": "LongArray", "doubles": "DoubleArray", "strings": "StringArray"}
 
 
@@ -128,9 +158,15 @@ class FastSpanEncoder:
             b[ix["null"]], b[ix["boolean"]], b[ix["long"]], b[ix["double"]], b[ix["string"]])
         self._arrays = {k: b[ix[v]] for k, v in _ARRAY_KEYS.items()}
         self._llm_fields = [(f["name"], _field_writer(f["type"]), f.get("default")) for f in llm_schema["fields"]]
-        self._map_cache: dict[int, tuple[Mapping[str, Any], bytes]] = {}
+        # Caches of what repeats across spans, each bounded (cleared when full): key bytes, key bytes
+        # followed by the string branch (most values are strings), strings, status, resource maps
+        # and the record's tail (resource + scope + promoted ids: one per rollout).
         self._keys: dict[str, bytes] = {}
+        self._str_keys: dict[str, bytes] = {}
         self._strings: dict[str, bytes] = {}
+        self._status: dict[str, bytes] = {}
+        self._tails: dict[tuple[Any, ...], tuple[Mapping[str, Any], bytes]] = {}
+        self._resources: dict[int, tuple[Mapping[str, Any], bytes]] = {}
 
     @classmethod
     def create(cls, codec: Any, topic: str | None = None) -> FastSpanEncoder | None:
@@ -156,29 +192,36 @@ class FastSpanEncoder:
             log.warning("fast Span encoder unavailable (%s); using the codec (slower)", exc)
             return None
 
+    def _key(self, k: str) -> bytes:
+        kb = self._keys.get(k)
+        if kb is None:  # attribute names repeat across spans: encode each once
+            if len(self._keys) > 50_000:
+                self._keys.clear()
+                self._str_keys.clear()
+            raw = k.encode("utf-8")
+            kb = self._keys[k] = _long(len(raw)) + raw
+        return kb
+
     def _map(self, m: Mapping[str, Any], w: Callable[[bytes], Any]) -> None:
         if not m:
             w(b"\x00")
             return
         w(_long(len(m)))
-        keys = self._keys
-        string = self._string
+        str_keys, table = self._str_keys, _LEN
         for k, v in m.items():
-            kb = keys.get(k)
-            if kb is None:  # attribute names repeat across spans: encode each once
-                if len(keys) > 50_000:
-                    keys.clear()
-                b = k.encode("utf-8")
-                kb = keys[k] = _long(len(b)) + b
-            w(kb)
             t = type(v)
-            if t is str:
-                w(string)
+            if t is str:  # the common case: key and branch in one cached piece
+                kb = str_keys.get(k)
+                if kb is None:
+                    kb = str_keys[k] = self._key(k) + self._string
                 b = v.encode("utf-8")
                 n = len(b)
-                w(_LEN[n] if n < _SMALL else _varint(n))
+                w(kb)
+                w(table[n] if n < _SMALL else _varint(n))
                 w(b)
-            elif t is bool:
+                continue
+            w(self._key(k))
+            if t is bool:
                 w(self._bool)
                 w(b"\x01" if v else b"\x00")
             elif t is int:
@@ -213,17 +256,33 @@ class FastSpanEncoder:
             w(b"".join(b"\x01" if x else b"\x00" for x in items))
         w(b"\x00")
 
-    def _cached_map(self, m: Mapping[str, Any], w: Callable[[bytes], Any]) -> None:
-        """Resource maps are one shared dict per process: encode once."""
-        hit = self._map_cache.get(id(m))
-        if hit is None or hit[0] is not m:
-            parts: list[bytes] = []
-            self._map(m, parts.append)
-            if len(self._map_cache) > 64:
-                self._map_cache.clear()
-            hit = (m, b"".join(parts))
-            self._map_cache[id(m)] = hit
+    def _tail(self, r: Mapping[str, Any], w: Callable[[bytes], Any]) -> None:
+        """Resource map, scope and promoted ids: the same bytes for every span of a rollout, so
+        encoded once per rollout; the resource map (one shared dict per process) once per dict."""
+        res = r.get("resource") or _EMPTY
+        scope = r.get("scope")
+        key = (None if scope is None else scope["name"], None if scope is None else scope.get("version"),
+               r.get("rollout_id"), r.get("attempt_id"), r.get("task_id"), id(res))
+        hit = self._tails.get(key)
+        if hit is None or hit[0] is not res:
+            parts = [self._resource(res), b"\x00" if scope is None else b"\x02" + self._s(key[0]) + self._os(key[1]),
+                     self._os(key[2]), self._os(key[3]), self._os(key[4])]
+            if len(self._tails) > 256:
+                self._tails.clear()
+            hit = self._tails[key] = (res, b"".join(parts))
         w(hit[1])
+
+    def _resource(self, res: Mapping[str, Any]) -> bytes:
+        """The resource map, cached by the dict's identity; the entry keeps the dict alive, so its
+        id cannot be reused while cached."""
+        hit = self._resources.get(id(res))
+        if hit is None or hit[0] is not res:
+            parts: list[bytes] = []
+            self._map(res, parts.append)
+            if len(self._resources) > 64:
+                self._resources.clear()
+            hit = self._resources[id(res)] = (res, b"".join(parts))
+        return hit[1]
 
     def _s(self, v: str) -> bytes:
         """Length-prefixed UTF-8 of a string that repeats across spans (names, kinds, ids): cached."""
@@ -240,40 +299,37 @@ class FastSpanEncoder:
         """The ``["null", "string"]`` union of a repeating string."""
         return b"\x00" if v is None else b"\x02" + self._s(v)
 
-    def encode_body(self, r: Mapping[str, Any]) -> bytes:
-        parts: list[bytes] = []
-        w = parts.append
+    def encode_body(self, r: Mapping[str, Any], header: bytes = b"") -> bytes:
+        """The Avro body of ``r``, after ``header`` (joined in one copy, not concatenated after)."""
         s, os_ = self._s, self._os
-        w(s(r["trace_id"]))
-        _str(r["span_id"], w)
-        w(os_(r.get("parent_span_id")))
-        w(s(r["name"]))
-        w(s(r.get("kind") or "INTERNAL"))
-        w(_long(r["start_time_ns"]))
-        w(_long(r["end_time_ns"]))
-        st = r.get("status") or {}
-        w(s(st.get("code") or "UNSET"))
-        self._opt_str(st.get("message"), w)
-        self._map(r.get("attributes") or {}, w)
-        events = r.get("events") or ()
+        span_id = r["span_id"].encode("utf-8")
+        n = len(span_id)
+        parts = [header, s(r["trace_id"]), _LEN[n] if n < _SMALL else _varint(n), span_id, os_(r.get("parent_span_id")),
+                 s(r["name"]), s(r.get("kind") or "INTERNAL"), _long(r["start_time_ns"]), _long(r["end_time_ns"])]
+        w = parts.append
+        st = r.get("status") or _EMPTY
+        code, message = st.get("code") or "UNSET", st.get("message")
+        if message is None:
+            sb = self._status.get(code)
+            if sb is None:
+                if len(self._status) > 64:
+                    self._status.clear()
+                sb = self._status[code] = s(code) + b"\x00"
+            w(sb)
+        else:
+            w(s(code))
+            w(b"\x02")
+            _str(message, w)
+        self._map(r.get("attributes") or _EMPTY, w)
+        events = r.get("events")
         if events:
             w(_long(len(events)))
             for e in events:
                 _str(e["name"], w)
                 w(_long(e["time_ns"]))
-                self._map(e.get("attributes") or {}, w)
+                self._map(e.get("attributes") or _EMPTY, w)
         w(b"\x00")
-        self._cached_map(r.get("resource") or {}, w)
-        scope = r.get("scope")
-        if scope is None:
-            w(b"\x00")
-        else:
-            w(b"\x02")
-            w(s(scope["name"]))
-            w(os_(scope.get("version")))
-        w(os_(r.get("rollout_id")))
-        w(os_(r.get("attempt_id")))
-        w(os_(r.get("task_id")))
+        self._tail(r, w)
         llm = r.get("llm")
         if llm is None:
             w(b"\x00")
@@ -283,16 +339,8 @@ class FastSpanEncoder:
                 write(llm.get(name, default), w)
         return b"".join(parts)
 
-    @staticmethod
-    def _opt_str(v: str | None, w: Callable[[bytes], Any]) -> None:
-        if v is None:
-            w(b"\x00")
-        else:
-            w(b"\x02")
-            _str(v, w)
-
     def encode(self, record: Mapping[str, Any]) -> bytes:
-        return self.header + self.encode_body(record)
+        return self.encode_body(record, self.header)
 
 
 class SpanRecordEncoder:
@@ -302,7 +350,6 @@ class SpanRecordEncoder:
         from boltstream.schemas import Codec
 
         from .normalise import record_key
-        from .truncate import FRAMING_BYTES
 
         self.topic = settings.topic("spans")
         self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
@@ -315,8 +362,6 @@ class SpanRecordEncoder:
 
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes, list[str]]:
         """(key, value, removed); ``removed`` is non-empty when the span had to be truncated."""
-        from .truncate import fit
-
         key = self._key(record)
         value = self.encode(record)
         if len(value) + len(key) <= self.limit:

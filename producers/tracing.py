@@ -32,6 +32,13 @@ from . import context as rctx
 
 log = logging.getLogger(__name__)
 _MARK = "_boltstream_rollout_processor"
+# BatchSpanProcessor settings for KafkaSpanExporter (the SDK's: queue 2,048, batches of 512, 5 s).
+# Its export() only appends to a buffer, so big batches cost the agent nothing, and its sender
+# works in rounds of 2,000 anyway; a 2,048-span queue drops spans ("Queue full") in any burst the
+# processor's thread does not drain in time. Zero-code equivalent: OTEL_BSP_SCHEDULE_DELAY=500
+# OTEL_BSP_MAX_QUEUE_SIZE=65536 OTEL_BSP_MAX_EXPORT_BATCH_SIZE=2048.
+BSP_DEFAULTS: dict[str, int] = {"schedule_delay_millis": 500, "max_queue_size": 65_536,
+                                "max_export_batch_size": 2_048}
 _INSTALL_LOCK = threading.Lock()
 
 
@@ -104,8 +111,9 @@ def install_rollout_processor(provider: Any = None) -> bool:
 
 
 def setup_tracing(settings: Any = None, *, service_name: str | None = None, exporter: Any = None,
-                  schedule_delay_ms: int = 500, max_queue_size: int = 65_536,
-                  max_export_batch_size: int = 2_048) -> TracerProvider:
+                  schedule_delay_ms: int = BSP_DEFAULTS["schedule_delay_millis"],
+                  max_queue_size: int = BSP_DEFAULTS["max_queue_size"],
+                  max_export_batch_size: int = BSP_DEFAULTS["max_export_batch_size"]) -> TracerProvider:
     """Make sure spans reach the spans topic; returns the SDK provider in use.
 
     With no SDK provider installed, installs one with ``RolloutSpanProcessor`` +

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from boltstream.producers.span_encoder import FastSpanEncoder, sample_record
+from boltstream.producers.span_encoder import FastSpanEncoder, _long, _varint, sample_record
 from boltstream.producers.truncate import TRUNCATED, TRUNCATED_FIELDS, fit
 from boltstream.schemas import Codec, InMemorySchemaRegistry
 
@@ -79,6 +79,28 @@ def test_fast_encoder_caches_resource_maps_by_identity() -> None:
     rec2 = copy.deepcopy(rec)                     # a new dict is re-encoded
     assert enc.encode(rec2) == CODEC.encode("Span", rec2)
     assert first == CODEC.encode("Span", sample_record())
+
+
+def test_long_fast_path_matches_the_plain_varint() -> None:
+    rng = random.Random(5)
+    edges = [0, 1, -1, 2**13, 2**14, 2**27 - 1, 2**27, -(2**27), -(2**27) - 1, 2**28, 2**62, 2**63 - 1, -(2**63)]
+    stamps = [1_700_000_000_000_000_000 + rng.randrange(10**12) for _ in range(2000)]
+    for n in edges + stamps + [rng.randrange(-(2**63), 2**63) for _ in range(2000)]:
+        assert _long(n) == _varint(n), n
+
+
+def test_cached_tails_follow_ids_scope_and_resource() -> None:
+    """Spans sharing one resource dict but not their ids or scope must not share cached bytes."""
+    enc = FastSpanEncoder.create(CODEC)
+    assert enc is not None
+    shared = {"service.name": "svc"}
+    for i in range(300):
+        rec = sample_record()
+        rec["resource"] = shared if i % 3 else {"service.name": f"other{i % 2}"}
+        rec["rollout_id"], rec["attempt_id"] = f"r{i % 7}", (None if i % 5 == 0 else f"a{i % 4}")
+        rec["scope"] = None if i % 11 == 0 else {"name": f"s{i % 2}", "version": None if i % 2 else "1"}
+        rec["status"] = {"code": "OK" if i % 2 else "ERROR", "message": None if i % 3 else "m"}
+        assert enc.encode(rec) == CODEC.encode("Span", rec), i
 
 
 def test_fast_encoder_refuses_a_schema_it_does_not_know() -> None:

@@ -7,13 +7,16 @@ lets us fail and heal the "broker" at will and count exactly.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, MessageSizeTooLargeError
+from aiokafka.partitioner import murmur2 as kafka_murmur2
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
@@ -21,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from boltstream.config import Settings
 from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+from boltstream.producers.sender import murmur2
 from boltstream.schemas import Codec
 
 
@@ -42,6 +46,9 @@ class FakeBatch:
             return None
         self.records.append((key, value))
         return object()
+
+    def close(self) -> None:
+        return None
 
 
 class FakeProducer:
@@ -126,6 +133,26 @@ def test_delivers_in_order_keyed_by_rollout(exporter: KafkaSpanExporter, broker:
     m = exporter.metrics
     assert (m.received, m.acked, m.dropped, m.buffered) == (50, 50, 0, 0)
     assert broker.suppressed and all(broker.suppressed), "our own produce calls must never be traced"
+
+
+def test_many_rounds_and_full_batches_keep_each_rollouts_order(broker: FakeBroker) -> None:
+    """More spans than one encoding chunk and than one record batch (100 here) per partition."""
+    exp = make_exporter(broker, buffer_size=5_000, batch_size=700)
+    try:
+        spans = make_spans(1_500)
+        for i in range(0, 1_500, 512):
+            assert exp.export(spans[i:i + 512]) is SpanExportResult.SUCCESS
+        assert exp.force_flush(10_000)
+        codec = Codec()
+        names_by_key: dict[bytes, list[str]] = {}
+        for _, key, value in broker.records:
+            names_by_key.setdefault(key, []).append(codec.decode(value, expect="Span")["name"])
+        for r in range(7):
+            assert names_by_key[f"r{r}".encode()] == [f"s{i}" for i in range(r, 1_500, 7)]
+        m = exp.metrics
+        assert (m.received, m.acked, m.dropped, m.buffered) == (1_500, 1_500, 0, 0)
+    finally:
+        exp.shutdown()
 
 
 def test_broker_down_buffers_then_delivers_and_counts_drops_exactly(
@@ -220,6 +247,13 @@ def test_shutdown_is_bounded_when_the_broker_never_comes(broker: FakeBroker) -> 
     exp.shutdown()
     assert time.perf_counter() - started < 3
     assert exp.metrics.dropped_shutdown == 5
+
+
+def test_partitioner_hash_is_kafkas() -> None:
+    rng = random.Random(3)
+    keys = [bytes(rng.randrange(256) for _ in range(rng.randrange(70))) for _ in range(3000)]
+    keys += [str(uuid.uuid4()).encode() for _ in range(100)]
+    assert [murmur2(k) for k in keys] == [kafka_murmur2(k) for k in keys]
 
 
 def test_constructible_from_env_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

@@ -284,3 +284,29 @@ def test_mapped_message_fields_are_replaced_by_canonical_json_and_unknown_ones_k
     assert attrs["llm.input_messages.0.message.contents.1.message_content.image.image.url"] == "http://x/cat.png"
     assert attrs["llm.input_messages.0.message.contents.1.message_content.type"] == "image"
     assert attrs["llm.input_messages.0.message.name"] == "alice"
+
+
+def test_per_process_caches_never_carry_one_span_into_another() -> None:
+    """Attribute names are classified, invocation parameters parsed and ids formatted once per
+    process; every value in a record must still be the span's own."""
+    for i in range(3):
+        for text, params in (("a", '{"temperature": 0.1}'), ("b", '{"temperature": 0.9, "max_tokens": 5}')):
+            rec = normalise(_inp({"openinference.span.kind": "LLM", "llm.input_messages.0.message.role": "user",
+                                  "llm.input_messages.0.message.content": f"{text}{i}",
+                                  "llm.invocation_parameters": params}))
+            assert json.loads(rec["attributes"]["gen_ai.input.messages"]) == [
+                {"role": "user", "parts": [{"type": "text", "content": f"{text}{i}"}]}]
+            assert (rec["llm"]["temperature"], rec["llm"]["max_tokens"]) == (
+                json.loads(params)["temperature"], json.loads(params).get("max_tokens"))
+    mem = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(mem))
+    tracer = tp.get_tracer("t")
+    for _ in range(2):
+        with tracer.start_as_current_span("root"):
+            tracer.start_span("child").end()
+    normaliser = SpanNormaliser()
+    for span in mem.get_finished_spans():
+        rec = normaliser(span)
+        assert rec["trace_id"] == format(span.context.trace_id, "032x")
+        assert rec["parent_span_id"] == (format(span.parent.span_id, "016x") if span.parent else None)
