@@ -8,12 +8,13 @@ rollout, groups of 4):
 
 1. Pure core: the same spans decoded, assembled, encoded as Trajectories,
    decoded again, grouped into TrainingBatches and encoded, in one process
-   without Kafka. The ceiling for a single Python process.
+   without Kafka, with the worker's GC settings (``tune_gc``). The ceiling for
+   a single Python process.
 2. Throughput: one ``boltstream stream worker`` (a subprocess, group size 4),
    warmed up with one task, then ``--tasks`` x 4 rollouts produced as fast as
    possible; spans/s = spans / (first span produced -> last sample readable).
-   Measured with the fast consumer path (default) and with faust's stock
-   per-record delivery (``--no-fast-consumer``).
+   Measured with the fast consumer (default: each fetch handed to the stages
+   as one batch) and with faust's stock per-record agents (``--no-fast-consumer``).
 3. Latency: a worker with group size 1 (no waiting for the rest of a group)
    under a steady ``--rate`` rollouts/s for ``--latency-s`` seconds; per
    rollout, from just before its root span is produced to the first time a
@@ -23,6 +24,13 @@ Goals (issue 5): >= 5,000 spans/s per worker, p99 <= 250 ms excluding group
 wait. The load average at start and end is recorded: other processes on the
 box (the broker shares the cores too) move every number. JSON goes to
 benchmarks/results/stream.json.
+
+Measured on the 2-core VM with default arguments (docs/streams.md has the table):
+before batch delivery and the pure-core work, load 0.95 at start: pure core
+7,484 spans/s, worker 1,991 (stock faust 1,800), p99 184 ms; after, load 0.84:
+pure core 20,171, worker 9,660 (stock 2,821), p50 37 ms, p99 200 ms; after,
+load 2.60 with another job's model server on the box: pure core 19,030, worker
+5,446 (stock 1,643), p99 192 ms.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from boltstream.kafka import consumer_kwargs, producer_kwargs  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
 from boltstream.streams import assemble_trajectory, build_training_batches  # noqa: E402
+from boltstream.streams.worker import tune_gc  # noqa: E402
 from boltstream.topics import ensure_topics  # noqa: E402
 from tests.integration.streams.stream_workload import encoded_spans, make_workload  # noqa: E402
 
@@ -245,6 +254,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=100.0, help="rollouts/s during the latency run")
     args = ap.parse_args()
     load_at_start = list(os.getloadavg())
+    tune_gc()  # the worker's GC settings, so the pure core is measured like the worker runs it
     results = asyncio.run(run(args))
     results["goals"] = {
         "spans_per_s_per_worker>=5000": results["worker_fast_consumer"]["spans_per_s"] >= 5000,

@@ -5,15 +5,20 @@ under a rollout id (closed by the root span + grace, or a timeout), trajectories
 under a task id (closed when the GRPO group is full, or a timeout). What makes
 that safe under faust's at-least-once (design.md, "Crash semantics"):
 
-* Items are stored BY ITEM ID (span id / attempt id) in the ``items`` table:
-  re-applying a record after a crash overwrites an identical value.
+* Items are identified BY ITEM ID (span id / attempt id): a re-delivered item
+  is a duplicate in memory and is not stored again. The new items of a key from
+  one consumed batch are written as one table value (a chunk, see
+  streams/tables.py) before that batch's offsets can be committed; a chunk
+  re-applied after a crash holds the same records, so rebuilding is idempotent.
 * A closed key gets a marker in the ``markers`` table and is skipped from then
   on (late duplicates are counted, not re-emitted).
 * Order on close: send the outputs; only after the broker acked them write the
-  marker; only after the marker is acked delete the items. A crash at any point
+  marker; only after the marker is acked delete the chunks. A crash at any point
   therefore either re-emits the SAME output (items still there, no marker:
   at-least-once, consumers dedupe by id) or emits nothing more (marker
-  durable) - never a shorter re-assembly and never a lost output.
+  durable) - never a shorter re-assembly and never a lost output. The keys
+  closed together (one batch, one timer tick) share one background task that
+  awaits their acks, instead of one task per key.
 
 The in-memory view (``open``: decoded items per key, timings) is rebuilt from
 the store after every faust recovery (:meth:`Accumulator.rebuild`), keeping
@@ -27,16 +32,18 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tables import ChangelogMap, make_key, split_key
+from .tables import ChangelogMap, make_key, pack_items, split_key, unpack_items
 
 log = logging.getLogger(__name__)
 
 Output = tuple[str, bytes, bytes]  # topic, key, value
 RETRY_AFTER_S = 5.0
+# Chunk ids start with this, so they never collide with an item id stored by an older version.
+CHUNK_PREFIX = "@"
 
 
 @dataclass
@@ -50,6 +57,9 @@ class Entry:
     items: dict[str, dict[str, Any]] = field(default_factory=dict)
     due: float | None = None  # close at or after this time (root seen + grace, group full)
     closing: bool = False
+    chunks: set[bytes] = field(default_factory=set)  # table keys holding this entry's items
+    unsaved: list[bytes] = field(default_factory=list)  # raw items staged but not yet in the table
+    unsaved_from: int = -1  # source offset of the first unsaved item: names its chunk (unique per partition)
 
 
 class Accumulator:
@@ -74,6 +84,10 @@ class Accumulator:
     def decode_item(self, raw: bytes) -> dict[str, Any]:
         raise NotImplementedError
 
+    def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
+        """(key, item id) of a decoded item (a stored chunk is split back into items by these)."""
+        raise NotImplementedError
+
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
         """Update ``entry.due`` after ``item`` was added (or restored)."""
 
@@ -91,12 +105,18 @@ class Accumulator:
 
     def is_closed(self, partition: int, key: str) -> bool:
         entry = self.open.get((partition, key))
-        return (entry is not None and entry.closing) or make_key(partition, key) in self.markers
+        if entry is not None:  # an open entry has no marker: it leaves ``open`` when its marker is written
+            return entry.closing
+        return make_key(partition, key) in self.markers
 
-    async def add(
-        self, partition: int, key: str, item_id: str, raw: bytes, item: dict[str, Any], now: float
+    def stage(
+        self, partition: int, key: str, item_id: str, raw: bytes, item: dict[str, Any], now: float, offset: int
     ) -> Entry | None:
-        """Store one item idempotently; returns its entry, or None for a late or duplicate item."""
+        """Add one item to the in-memory view; returns its entry, or None for a late or duplicate item.
+
+        The item reaches the table with the entry's next :meth:`save` (the stages save
+        every entry a batch touched before that batch counts as processed).
+        """
         if self.is_closed(partition, key):
             self.stats["late"] += 1
             log.debug("%s %s already closed: late item %s dropped", self.kind, key, item_id)
@@ -109,14 +129,39 @@ class Accumulator:
             self.stats["duplicate"] += 1
             return None
         entry.items[item_id] = item
-        await self.items.put(partition, make_key(partition, key, item_id), raw)
+        if not entry.unsaved:
+            entry.unsaved_from = offset
+        entry.unsaved.append(raw)
         self.on_item(entry, item, now)
         return entry
 
+    async def save(self, entries: Iterable[Entry]) -> None:
+        """Write each entry's staged items as one chunk to the changelog partition of its source."""
+        for entry in entries:
+            if not entry.unsaved:
+                continue
+            chunk_key = make_key(entry.partition, entry.key, f"{CHUNK_PREFIX}{entry.unsaved_from}")
+            raws, entry.unsaved = entry.unsaved, []
+            entry.chunks.add(chunk_key)
+            await self.items.put(entry.partition, chunk_key, pack_items(raws))
+
     async def close(self, entry: Entry, timed_out: bool = False) -> None:
         """Emit the entry's outputs; marker and cleanup follow once the broker acked them."""
-        if entry.closing:
-            return
+        await self.close_all([(entry, timed_out)])
+
+    async def close_all(self, closing: Sequence[tuple[Entry, bool]]) -> None:
+        """Emit the outputs of several (entry, timed_out); one task finishes them all once acked."""
+        sent = []
+        for entry, timed_out in closing:
+            if entry.closing:
+                continue
+            sent.append((entry, await self._send_outputs(entry, timed_out), timed_out))
+        if sent:
+            task = asyncio.ensure_future(self._finish(sent))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _send_outputs(self, entry: Entry, timed_out: bool) -> list[asyncio.Future[Any]]:
         entry.closing = True
         self.stats["timed_out" if timed_out else "closed"] += 1
         try:
@@ -125,54 +170,71 @@ class Accumulator:
             outputs = self.failed(entry, f"{type(exc).__name__}: {exc}")
             self.stats["failed"] += 1
         futures = []
+        send = self.app.producer.send
         for topic, key, value in outputs:
             try:
-                futures.append(await self.app.producer.send(topic, key, value, None, None, None))
+                futures.append(await send(topic, key, value, None, None, None))
             except Exception as exc:  # refused locally (e.g. too large): never retried, so dead-letter it
                 log.error("%s %s: cannot send %d bytes to %s: %s", self.kind, entry.key, len(value), topic, exc)
                 self.stats["failed"] += 1
                 for dtopic, dkey, dvalue in self.failed(entry, f"cannot send to {topic}: {exc}"):
-                    futures.append(await self.app.producer.send(dtopic, dkey, dvalue, None, None, None))
+                    futures.append(await send(dtopic, dkey, dvalue, None, None, None))
                 continue
             self.stats[f"out:{topic}"] += 1
-        task = asyncio.ensure_future(self._finish(entry, futures, timed_out))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        return futures
 
-    async def _finish(self, entry: Entry, futures: list[asyncio.Future[Any]], timed_out: bool) -> None:
-        try:
-            await asyncio.gather(*futures)
-        except Exception as exc:  # the producer gave up: keep the items, try again later
-            log.error("%s %s: output not acknowledged (%s); retrying in %.0fs", self.kind, entry.key, exc, RETRY_AFTER_S)
-            entry.closing = False
-            entry.due = time.time() + RETRY_AFTER_S
-            self.stats["retried"] += 1
+    async def _finish(self, sent: list[tuple[Entry, list[asyncio.Future[Any]], bool]]) -> None:
+        acked = []
+        for entry, futures, timed_out in sent:
+            try:
+                await asyncio.gather(*futures)
+            except Exception as exc:  # the producer gave up: keep the items, try again later
+                log.error(
+                    "%s %s: output not acknowledged (%s); retrying in %.0fs", self.kind, entry.key, exc, RETRY_AFTER_S
+                )
+                entry.closing = False
+                entry.due = time.time() + RETRY_AFTER_S
+                self.stats["retried"] += 1
+                continue
+            acked.append((entry, timed_out))
+        if not acked:
             return
         now = time.time()
-        marker_key = make_key(entry.partition, entry.key)
-        marker = json.dumps({"closed_at": now, "items": len(entry.items), "timed_out": timed_out}).encode()
-        try:
-            ack = await self.markers.put(entry.partition, marker_key, marker)
+        marked = []
+        for entry, timed_out in acked:
+            marker_key = make_key(entry.partition, entry.key)
+            marker = json.dumps({"closed_at": now, "items": len(entry.items), "timed_out": timed_out}).encode()
+            try:
+                ack = await self.markers.put(entry.partition, marker_key, marker)
+            except Exception as exc:
+                log.error("%s %s: marker not written: %s", self.kind, entry.key, exc)
+                continue
             self.open.pop((entry.partition, entry.key), None)
             self._forget.append((now, entry.partition, marker_key))
-            await ack
-            for item_id in entry.items:
-                await self.items.delete(entry.partition, make_key(entry.partition, entry.key, item_id))
-        except Exception as exc:
-            # Items stay: after a restart the key is re-emitted identically (consumers dedupe).
-            log.error("%s %s: marker/cleanup failed: %s", self.kind, entry.key, exc)
+            marked.append((entry, ack))
+        for entry, ack in marked:
+            try:
+                await ack
+                for chunk_key in sorted(entry.chunks):
+                    await self.items.delete(entry.partition, chunk_key)
+            except Exception as exc:
+                # Items stay: after a restart the key is re-emitted identically (consumers dedupe).
+                log.error("%s %s: marker/cleanup failed: %s", self.kind, entry.key, exc)
 
     async def tick(self, now: float) -> None:
         """Close due and expired entries; forget old markers."""
         if not self.ready:
             return
-        for entry in list(self.open.values()):
+        closing = []
+        for entry in self.open.values():
             if entry.closing:
                 continue
             if entry.due is not None and now >= entry.due:
-                await self.close(entry)
+                closing.append((entry, False))
             elif entry.due is None and self.expired(entry, now):
-                await self.close(entry, timed_out=True)
+                closing.append((entry, True))
+        if closing:
+            await self.close_all(closing)
         while self._forget and self._forget[0][0] + self.forget_after_s <= now:
             _, partition, marker_key = self._forget.popleft()
             if partition in self.active and marker_key in self.markers:
@@ -206,27 +268,32 @@ class Accumulator:
         self._forget = collections.deque(sorted(forget))
         restored = stale = 0
         for item_key in self.items.keys_for(active):
-            partition, (key, item_id) = split_key(item_key)
+            partition, parts = split_key(item_key)
+            key = parts[0]
             if make_key(partition, key) in self.markers:
                 await self.items.delete(partition, item_key)  # closed before the crash: finish the cleanup
                 stale += 1
                 continue
             entry = self.open.get((partition, key))
-            if entry is not None and item_id in entry.items:
+            if entry is not None and item_key in entry.chunks:
                 continue
-            raw = self.items.get(item_key)
-            try:
-                item = self.decode_item(raw) if raw is not None else None
-            except Exception as exc:  # stored by us after a successful decode: should not happen
-                log.error("%s %s: stored item %s undecodable (%s); dropped", self.kind, key, item_id, exc)
-                item = None
-            if item is None:
-                continue
-            if entry is None:
-                entry = self.open[(partition, key)] = Entry(partition, key, now, now)
-            entry.items[item_id] = item
-            self.on_item(entry, item, now)
-            restored += 1
+            value = self.items.get(item_key)
+            for raw in unpack_items(value) if value is not None else ():
+                try:
+                    item = self.decode_item(raw)
+                    item_id = self.item_key_of(item)[1]
+                except Exception as exc:  # stored by us after a successful decode: should not happen
+                    log.error("%s %s: stored item in %r undecodable (%s); dropped", self.kind, key, item_key, exc)
+                    continue
+                if entry is None:
+                    entry = self.open[(partition, key)] = Entry(partition, key, now, now)
+                if item_id in entry.items:
+                    continue
+                entry.items[item_id] = item
+                self.on_item(entry, item, now)
+                restored += 1
+            if entry is not None:
+                entry.chunks.add(item_key)
         self.ready = True
         log.info(
             "%s state ready for partitions %s: %d open, %d item(s) restored, %d stale cleaned, %d foreign dropped",

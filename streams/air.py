@@ -49,122 +49,27 @@ None`` (True fires with ``value``, a float fires with that value). From YAML
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from .spans import (
-    Span,
-    attr,
-    attributes,
-    is_llm_span,
-    is_reward_span,
-    is_rollout_root,
-    is_tool_span,
-    openinference_kind,
-    reward_of,
-    status_code,
-    status_message,
-)
+from .air_matchers import BUILTIN_MATCHERS, WITH_KIND, KindMatcher, Matcher
+from .air_matchers import match_any_span as match_any_span
+from .air_matchers import match_reward_span as match_reward_span
+from .air_matchers import match_span_error as match_span_error
+from .air_matchers import match_timeout as match_timeout
+from .air_matchers import match_tool_args_invalid as match_tool_args_invalid
+from .air_matchers import match_tool_error as match_tool_error
+from .spans import Span, SpanKind, is_rollout_root, reward_of, span_kind
 
 logger = logging.getLogger(__name__)
 
-Matcher = Callable[[Span], "bool | float | None"]
 Reward = dict[str, Any]
-
-_TIMEOUT_TEXT = re.compile(r"time[ds]?[\s_-]?out|deadline[\s_-]?exceeded", re.IGNORECASE)
-_TIMEOUT_HTTP_STATUS = frozenset({408, 504})
-_LLM_OUTPUT_ARGS = re.compile(r"^llm\.output_messages\..*tool_call\.function\.arguments$")
-
-
-def _unparsable_json(value: Any) -> bool:
-    if not isinstance(value, str) or not value.strip():
-        return False
-    try:
-        json.loads(value)
-    except ValueError:
-        return True
-    return False
-
-
-def match_tool_error(span: Span) -> bool:
-    """A tool span that ended with status ERROR."""
-    return is_tool_span(span) and status_code(span) == "ERROR"
-
-
-def match_tool_args_invalid(span: Span) -> bool:
-    """Tool-call arguments the model produced that are not valid JSON."""
-    if is_llm_span(span):
-        return any(
-            _LLM_OUTPUT_ARGS.match(key) and _unparsable_json(value) for key, value in attributes(span).items()
-        )
-    if not is_tool_span(span):
-        return False
-    if _unparsable_json(attr(span, "gen_ai.tool.call.arguments")):
-        return True
-    return (
-        openinference_kind(span) == "TOOL"
-        and attr(span, "input.mime_type") == "application/json"
-        and _unparsable_json(attr(span, "input.value"))
-    )
-
-
-def match_timeout(span: Span) -> bool:
-    """A non-LLM span marked as timed out by its status, attributes or exception events."""
-    if is_llm_span(span):
-        return False
-    message = status_message(span)
-    if message and _TIMEOUT_TEXT.search(message):
-        return True
-    for key in ("error.type", "exception.type", "exception.message"):
-        value = attr(span, key)
-        if isinstance(value, str) and _TIMEOUT_TEXT.search(value):
-            return True
-    for key in ("http.response.status_code", "http.status_code"):
-        if attr(span, key) in _TIMEOUT_HTTP_STATUS:
-            return True
-    for event in span.get("events") or ():
-        if event.get("name") != "exception":
-            continue
-        for key in ("exception.type", "exception.message"):
-            value = (event.get("attributes") or {}).get(key)
-            if isinstance(value, str) and _TIMEOUT_TEXT.search(value):
-                return True
-    return False
-
-
-def match_reward_span(span: Span) -> float | None:
-    """The value of an intermediate (non-final) reward span."""
-    info = reward_of(span)
-    if info is None or info.final:
-        return None
-    return info.value
-
-
-def match_span_error(span: Span) -> bool:
-    """Any span with status ERROR."""
-    return status_code(span) == "ERROR"
-
-
-def match_any_span(span: Span) -> bool:
-    """Every span (narrow it with ``span_name``)."""
-    return True
-
-
-BUILTIN_MATCHERS: dict[str, Matcher] = {
-    "reward_span": match_reward_span,
-    "tool_args_invalid": match_tool_args_invalid,
-    "timeout": match_timeout,
-    "tool_error": match_tool_error,
-    "span_error": match_span_error,
-    "span": match_any_span,
-}
 
 
 @dataclass(frozen=True)
@@ -186,6 +91,8 @@ class AirRule:
     once_per_call: bool = False
     enabled: bool = True
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _matcher: Matcher | None = field(default=None, init=False, repr=False, compare=False)
+    _with_kind: KindMatcher | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -203,6 +110,10 @@ class AirRule:
                 raise ValueError(f"air rule {self.name!r} value: must be a finite number, got {self.value!r}")
         elif isinstance(self.when, str) and self.when != "reward_span":
             raise ValueError(f"air rule {self.name!r} value: required for matcher {self.when!r}")
+        if isinstance(self.when, str):
+            object.__setattr__(self, "_with_kind", WITH_KIND[self.when])
+        else:
+            object.__setattr__(self, "_matcher", self.when)
         if self.span_name is not None:
             try:
                 object.__setattr__(self, "_pattern", re.compile(self.span_name))
@@ -211,14 +122,20 @@ class AirRule:
 
     def evaluate(self, span: Span) -> float | None:
         """The reward this rule gives ``span``, or None when it does not fire."""
+        return self._evaluate(span, span_kind(span))
+
+    def _evaluate(self, span: Span, kind: SpanKind) -> float | None:
+        """:meth:`evaluate` with the span's kind already known (classified once per span)."""
         if not self.enabled:
             return None
         if self._pattern is not None and not self._pattern.search(str(span.get("name", ""))):
             return None
-        if is_reward_span(span) and self.when != "reward_span":
+        if kind.reward and self.when != "reward_span":
             return None
-        matcher = BUILTIN_MATCHERS[self.when] if isinstance(self.when, str) else self.when
-        outcome = matcher(span)
+        if self._with_kind is not None:
+            outcome = self._with_kind(span, kind)
+        else:
+            outcome = self._matcher(span)  # type: ignore[misc]  # a callable, set in __post_init__
         if outcome is None or outcome is False:
             return None
         if outcome is True:
@@ -330,12 +247,15 @@ def evaluate_air(
     calls: Sequence[CallRef],
     rules: Sequence[AirRule] = DEFAULT_AIR_RULES,
     parent_of: Mapping[str, str | None] | None = None,
+    kinds: Mapping[str, SpanKind] | None = None,
 ) -> AirResult:
     """Apply ``rules`` to the spans of one rollout and attach the rewards to ``calls``.
 
     ``calls`` should hold every LLM call of the rollout (trained or not), so a
     reward caused by an untrained call is not moved onto a trained one.
     ``parent_of`` (span id -> parent id) enables the nested-span dedupe.
+    ``kinds`` (span id -> :func:`~boltstream.streams.spans.span_kind`) saves
+    classifying the spans again when the caller already did.
     """
     result = AirResult()
     active = [rule for rule in rules if rule.enabled]
@@ -349,8 +269,11 @@ def evaluate_air(
         if is_rollout_root(span):
             continue
         span_id = str(span.get("span_id"))
+        kind = kinds.get(span_id) if kinds is not None else None
+        if kind is None:
+            kind = span_kind(span)
         for rule in active:
-            value = rule.evaluate(span)
+            value = rule._evaluate(span, kind)
             if value is None:
                 continue
             if parent_of is not None and _ancestor_fired(span_id, parent_of, fired.get(rule.name, set())):
@@ -359,7 +282,7 @@ def evaluate_air(
                 continue
             fired.setdefault(rule.name, set()).add(span_id)
             reward = _make_reward(rule, span, value)
-            if span_id in call_ids or is_llm_span(span):
+            if span_id in call_ids or kind.llm:
                 reference = int(span.get("end_time_ns", 0))
             else:
                 reference = int(span.get("start_time_ns", 0))

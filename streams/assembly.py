@@ -46,6 +46,7 @@ from .spans import (
     is_rollout_root,
     reward_of,
     span_ids,
+    span_kind,
     status_code,
     status_message,
 )
@@ -292,14 +293,14 @@ def assemble_trajectory_with_stats(
     root = min(roots, key=lambda s: (s.get("start_time_ns", 0), s["span_id"])) if roots else None
     rid, aid, tid = _resolve_ids(tree, root, rollout_id, attempt_id, task_id)
 
-    llm_ids = [sid for sid, s in tree.spans.items() if is_llm_span(s)]
+    kinds = {sid: span_kind(s) for sid, s in tree.spans.items()}
+    llm_ids = [sid for sid, kind in kinds.items() if kind.llm]
+    with_ids = {sid for sid in llm_ids if has_token_ids(tree.spans[sid])}
+    without_ids = set(llm_ids) - with_ids  # the only spans that can be wrappers
     wrappers: set[str] = set()
-    for sid in llm_ids:
-        if has_token_ids(tree.spans[sid]):
-            for ancestor in tree.ancestors(sid):
-                span = tree.spans.get(ancestor)
-                if span is not None and is_llm_span(span) and not has_token_ids(span):
-                    wrappers.add(ancestor)
+    if without_ids:
+        for sid in with_ids:
+            wrappers.update(a for a in tree.ancestors(sid) if a in without_ids)
     stats.wrapper_spans = len(wrappers)
     calls: list[Span] = []
     seen_responses: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
@@ -340,6 +341,7 @@ def assemble_trajectory_with_stats(
         [CallRef(s["span_id"], int(s.get("end_time_ns", 0))) for s in calls],
         config.air_rules,
         tree.parent_of,
+        kinds,
     )
     stats.air_rewards_unattached = len(air.unattached)
     turns = []
@@ -362,27 +364,18 @@ def assemble_trajectory_with_stats(
             }
         )
 
-    final_reward, final_rewards = _final_rewards(tree.spans.values())
+    final_reward, final_rewards = _final_rewards(s for sid, s in tree.spans.items() if kinds[sid].reward)
     final_status, final_error = _status(root, status, error)
     if root is not None:
         start_ns, end_ns = int(root.get("start_time_ns", 0)), int(root.get("end_time_ns", 0))
     else:
         start_ns = min(int(s.get("start_time_ns", 0)) for s in tree.spans.values())
         end_ns = max(int(s.get("end_time_ns", 0)) for s in tree.spans.values())
-    trajectory = {
-        "rollout_id": rid,
-        "attempt_id": aid,
-        "task_id": tid,
-        "turns": turns,
-        "final_reward": final_reward,
-        "rewards": final_rewards,
-        "status": final_status,
-        "error": final_error,
-        "start_time_ns": start_ns,
-        "end_time_ns": end_ns,
-        "span_count": len(tree.spans),
-        "dropped_calls": dropped,
-    }
+    trajectory = dict(
+        rollout_id=rid, attempt_id=aid, task_id=tid, turns=turns, final_reward=final_reward, rewards=final_rewards,
+        status=final_status, error=final_error, start_time_ns=start_ns, end_time_ns=end_ns,
+        span_count=len(tree.spans), dropped_calls=dropped,
+    )
     logger.debug("assembled rollout %s attempt %s: %s", rid, aid, stats)
     return trajectory, stats
 

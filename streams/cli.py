@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--loss-weight", choices=("none", "inverse_calls"), help="per-sample loss weight")
     w.add_argument("--trajectory-mode", action="store_true", default=None, help="merge calls that extend a prompt")
     w.add_argument("--store", help="faust table store URL (default memory://)")
+    w.add_argument("--profile", metavar="PATH", help="write a pstats profile of the worker to PATH on exit")
     w.add_argument(
         "--no-fast-consumer", dest="fast_consumer", action="store_false", default=None,
         help="use faust's stock per-record delivery",

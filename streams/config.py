@@ -74,6 +74,8 @@ class StreamConfig:
     # Skip faust's four-task-per-record wait in the consumer loop when nothing can block (streams.fastpath).
     fast_consumer: bool = True
     log_every_s: float = 30.0
+    # Write a profile of the whole worker process here on exit (yappi, all threads, if installed; else cProfile).
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("rollout_timeout_s", "group_timeout_s", "forget_after_s", "tick_s", "commit_interval_s")

@@ -37,7 +37,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,19 @@ _AGENT_METADATA_KEYS = ("lc_agent_name", "langgraph_node")
 _METADATA_PREFIXES = ("langsmith.metadata.", "traceloop.association.properties.")
 
 
+_EMPTY: Mapping[str, Any] = {}
+# Types that are never an array wrapper: the common case of unwrap() without an ABC isinstance check.
+_SCALAR_TYPES = frozenset({str, int, float, bool, type(None), bytes})
+
+
 def unwrap(value: Any) -> Any:
     """Turn an Avro attribute union value into a plain Python value.
 
     Array attributes arrive as ``{"longs": [...]}`` etc.; everything else is
     already a scalar (or None).
     """
+    if type(value) in _SCALAR_TYPES:
+        return value
     if isinstance(value, Mapping) and len(value) == 1:
         key = next(iter(value))
         if key in _ARRAY_KEYS:
@@ -78,10 +85,13 @@ def unwrap(value: Any) -> Any:
     return value
 
 
+def _attrs(span: Span) -> Mapping[str, Any]:
+    return span.get("attributes") or _EMPTY
+
+
 def attr(span: Span, key: str, default: Any = None) -> Any:
     """One attribute of ``span``, unwrapped; ``default`` when absent or null."""
-    attributes = span.get("attributes") or {}
-    value = attributes.get(key)
+    value = _attrs(span).get(key)
     if value is None:
         return default
     return unwrap(value)
@@ -89,32 +99,63 @@ def attr(span: Span, key: str, default: Any = None) -> Any:
 
 def attributes(span: Span) -> dict[str, Any]:
     """All attributes of ``span`` as a new dict of plain values."""
-    return {k: unwrap(v) for k, v in (span.get("attributes") or {}).items()}
+    return {k: unwrap(v) for k, v in _attrs(span).items()}
 
 
 def status_code(span: Span) -> str:
     """``UNSET`` | ``OK`` | ``ERROR`` (upper-cased; UNSET when missing)."""
-    status = span.get("status") or {}
+    status = span.get("status") or _EMPTY
     return str(status.get("code") or "UNSET").upper()
 
 
 def status_message(span: Span) -> str | None:
     """The span status description, if any."""
-    status = span.get("status") or {}
+    status = span.get("status") or _EMPTY
     return status.get("message")
 
 
-def _str_attr(span: Span, key: str) -> str | None:
-    value = attr(span, key)
+# The predicates below run several times per span on the stream app's hot path, so they read the
+# attribute map once and compare raw values: a string attribute is never wrapped (only arrays are),
+# so ``_str_of`` gives exactly what ``attr`` + a non-blank string check would.
+
+
+def _str_of(attrs: Mapping[str, Any], key: str) -> str | None:
+    value = attrs.get(key)
     if isinstance(value, str) and value.strip():
         return value
     return None
 
 
+def _str_attr(span: Span, key: str) -> str | None:
+    return _str_of(_attrs(span), key)
+
+
+def _lower_in(attrs: Mapping[str, Any], key: str, allowed: frozenset[str]) -> bool:
+    value = attrs.get(key)
+    return isinstance(value, str) and value.lower() in allowed
+
+
+def _oi_kind(attrs: Mapping[str, Any]) -> str | None:
+    kind = _str_of(attrs, "openinference.span.kind")
+    return kind.upper() if kind else None
+
+
 def openinference_kind(span: Span) -> str | None:
     """The OpenInference span kind upper-cased (``LLM``, ``TOOL``, ``AGENT``, ...)."""
-    kind = _str_attr(span, "openinference.span.kind")
-    return kind.upper() if kind else None
+    return _oi_kind(_attrs(span))
+
+
+def _is_llm(span: Span, attrs: Mapping[str, Any]) -> bool:
+    if span.get("llm") is not None:
+        return True
+    if not attrs:
+        return False
+    return (
+        attrs.get(ATTR_SPAN_KIND) == "llm"
+        or _lower_in(attrs, "gen_ai.operation.name", _LLM_OPERATIONS)
+        or _oi_kind(attrs) == "LLM"
+        or _lower_in(attrs, "llm.request.type", _LEGACY_LLM_REQUEST_TYPES)
+    )
 
 
 def is_llm_span(span: Span) -> bool:
@@ -125,15 +166,7 @@ def is_llm_span(span: Span) -> bool:
     ``llm.request.type``. Whether token ids were recorded is a separate question
     (:func:`has_token_ids`).
     """
-    if span.get("llm") is not None or _str_attr(span, ATTR_SPAN_KIND) == "llm":
-        return True
-    operation = _str_attr(span, "gen_ai.operation.name")
-    if operation is not None and operation.lower() in _LLM_OPERATIONS:
-        return True
-    if openinference_kind(span) == "LLM":
-        return True
-    request_type = _str_attr(span, "llm.request.type")
-    return request_type is not None and request_type.lower() in _LEGACY_LLM_REQUEST_TYPES
+    return _is_llm(span, _attrs(span))
 
 
 def has_token_ids(span: Span) -> bool:
@@ -142,30 +175,53 @@ def has_token_ids(span: Span) -> bool:
     return bool(llm) and bool(llm.get("prompt_token_ids")) and bool(llm.get("response_token_ids"))
 
 
+_TOOL = frozenset({"tool"})
+_EXECUTE_TOOL = frozenset({"execute_tool"})
+
+
+def _is_tool_attrs(attrs: Mapping[str, Any]) -> bool:
+    return (
+        attrs.get(ATTR_SPAN_KIND) == "tool"
+        or _lower_in(attrs, "gen_ai.operation.name", _EXECUTE_TOOL)
+        or _oi_kind(attrs) == "TOOL"
+        or _lower_in(attrs, "traceloop.span.kind", _TOOL)
+    )
+
+
 def is_tool_span(span: Span) -> bool:
     """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry ``tool``)."""
-    if is_llm_span(span):
-        return False
-    if _str_attr(span, ATTR_SPAN_KIND) == "tool":
-        return True
-    operation = _str_attr(span, "gen_ai.operation.name")
-    if operation is not None and operation.lower() == "execute_tool":
-        return True
-    if openinference_kind(span) == "TOOL":
-        return True
-    traceloop_kind = _str_attr(span, "traceloop.span.kind")
-    return traceloop_kind is not None and traceloop_kind.lower() == "tool"
+    attrs = _attrs(span)
+    return bool(attrs) and not _is_llm(span, attrs) and _is_tool_attrs(attrs)
 
 
 def is_reward_span(span: Span) -> bool:
     """True for a reward span: ``boltstream.reward`` (``emit_reward``, the runner) or one the
     producers' normaliser recognised (``boltstream.span.kind`` = ``reward``, e.g. Agent Lightning's)."""
-    return span.get("name") == REWARD_SPAN_NAME or _str_attr(span, ATTR_SPAN_KIND) == "reward"
+    return span.get("name") == REWARD_SPAN_NAME or _attrs(span).get(ATTR_SPAN_KIND) == "reward"
 
 
 def is_rollout_root(span: Span) -> bool:
     """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
     return span.get("name") == ROLLOUT_SPAN_NAME
+
+
+class SpanKind(NamedTuple):
+    """What a span is, classified once (assembly and AIR ask these several times per span)."""
+
+    llm: bool
+    tool: bool
+    reward: bool
+
+
+def span_kind(span: Span) -> SpanKind:
+    """:func:`is_llm_span`, :func:`is_tool_span` and :func:`is_reward_span` of ``span`` in one pass."""
+    attrs = _attrs(span)
+    llm = _is_llm(span, attrs)
+    return SpanKind(
+        llm,
+        bool(attrs) and not llm and _is_tool_attrs(attrs),
+        span.get("name") == REWARD_SPAN_NAME or attrs.get(ATTR_SPAN_KIND) == "reward",
+    )
 
 
 @dataclass(frozen=True)
@@ -212,8 +268,8 @@ def span_ids(span: Span) -> tuple[str | None, str | None, str | None]:
     )
 
 
-def _from_metadata_json(span: Span) -> str | None:
-    raw = attr(span, "metadata")
+def _from_metadata_json(attrs: Mapping[str, Any]) -> str | None:
+    raw = attrs.get("metadata")
     if not isinstance(raw, str) or "lang" not in raw:
         return None
     try:
@@ -229,28 +285,38 @@ def _from_metadata_json(span: Span) -> str | None:
     return None
 
 
+_METADATA_KEYS = tuple(prefix + key for key in _AGENT_METADATA_KEYS for prefix in _METADATA_PREFIXES)
+# Every attribute own_agent_name reads: a span carrying none of them names no agent.
+_AGENT_NAME_KEYS = frozenset(
+    {ATTR_AGENT_NAME, "gen_ai.agent.name", "agent.name", "graph.node.id", "recipient_agent_type", "metadata",
+     "langgraph.node", *_METADATA_KEYS}
+)
+
+
 def own_agent_name(span: Span) -> str | None:
     """The agent name this span itself carries (see module docstring for the order), or None."""
+    attrs = _attrs(span)
+    if not attrs or _AGENT_NAME_KEYS.isdisjoint(attrs):  # every source below is one of these attributes
+        return None
     for key in (ATTR_AGENT_NAME, "gen_ai.agent.name", "agent.name"):
-        name = _str_attr(span, key)
+        name = _str_of(attrs, key)
         if name:
             return name
-    if openinference_kind(span) == "AGENT":
-        name = _str_attr(span, "graph.node.id")
+    if _oi_kind(attrs) == "AGENT":
+        name = _str_of(attrs, "graph.node.id")
         if name:
             return name
-    name = _str_attr(span, "recipient_agent_type")
-    if name and (attr(span, "messaging.operation") in (None, "process")):
+    name = _str_of(attrs, "recipient_agent_type")
+    if name and (unwrap(attrs.get("messaging.operation")) in (None, "process")):
         return name
-    name = _from_metadata_json(span)
+    name = _from_metadata_json(attrs)
     if name:
         return name
-    for key in _AGENT_METADATA_KEYS:
-        for prefix in _METADATA_PREFIXES:
-            name = _str_attr(span, prefix + key)
-            if name:
-                return name
-    return _str_attr(span, "langgraph.node")
+    for key in _METADATA_KEYS:
+        name = _str_of(attrs, key)
+        if name:
+            return name
+    return _str_of(attrs, "langgraph.node")
 
 
 def inherited_agent_names(

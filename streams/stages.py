@@ -37,7 +37,7 @@ from .config import StreamConfig
 from .dlq import DeadLetters, dead_letter
 from .grouping import build_training_batches
 from .spans import is_rollout_root
-from .tables import ChangelogMap, make_key
+from .tables import ChangelogMap, unpack_items
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,7 @@ class _Stage(Accumulator):
     def failed(self, entry: Entry, reason: str) -> Sequence[Output]:
         log.error("%s %s: %s; sent to the DLQ", self.kind, entry.key, reason)
         self.dlq.counts[f"{self.kind}_failed"] += 1
-        raw = next(
-            (v for i in entry.items if (v := self.items.get(make_key(entry.partition, entry.key, i))) is not None),
-            b"",
-        )
+        raw = next((unpack_items(v)[0] for k in sorted(entry.chunks) if (v := self.items.get(k))), b"")
         record = dead_letter(
             f"{self.kind} {entry.key}: {reason}",
             topic=self.in_topic,
@@ -84,15 +81,51 @@ class _Stage(Accumulator):
         )
         return [(self.dlq.topic, entry.key.encode(), self.codec.encode("DeadLetter", record, topic=self.dlq.topic))]
 
-    async def _decode_or_dlq(self, message: Any) -> dict[str, Any] | None:
-        try:
-            return self.decode_item(message.value)
-        except SchemaError as exc:
-            await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
-            return None
+    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+        """(reason, DLQ category) when a decoded record cannot be accumulated, else None."""
+        return None
 
-    async def _reject(self, message: Any, reason: str, category: str) -> None:
-        await self.dlq.reject(message, reason, category)
+    async def on_batch(self, messages: Sequence[Any], now: float) -> None:
+        """Consumed records of the input topic, in offset order per partition.
+
+        Each is decoded and staged; every key the batch touched is saved as one
+        chunk; then the keys that became due are closed together. A record that
+        cannot be used - or that hits an internal error - is dead-lettered alone.
+        """
+        touched: dict[tuple[int, str], Entry] = {}
+        try:
+            for message in messages:
+                self.stats["records"] += 1
+                try:
+                    item = self.decode_item(message.value)
+                except SchemaError as exc:
+                    await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
+                    continue
+                try:
+                    problem = self.identify(item)
+                    if problem is not None:
+                        await self.dlq.reject(message, *problem)
+                        continue
+                    key, item_id = self.item_key_of(item)
+                    entry = self.stage(message.partition, key, item_id, message.value, item, now, message.offset)
+                except Exception as exc:  # never let one record stop the stage
+                    log.exception("%s[%d]@%d: internal error", message.topic, message.partition, message.offset)
+                    await self.dlq.reject(
+                        message, f"internal error in the {self.kind} stage: {type(exc).__name__}: {exc}",
+                        "internal_error",
+                    )
+                    continue
+                if entry is not None:
+                    touched[(entry.partition, entry.key)] = entry
+        finally:
+            await self.save(touched.values())
+        due = [(e, False) for e in touched.values() if e.due is not None and now >= e.due and not e.closing]
+        if due:
+            await self.close_all(due)
+
+    async def on_record(self, message: Any, now: float) -> None:
+        """One record of the input topic (faust's per-record delivery)."""
+        await self.on_batch((message,), now)
 
 
 class RolloutStage(_Stage):
@@ -128,22 +161,16 @@ class RolloutStage(_Stage):
         value = self.codec.encode("Trajectory", trajectory, topic=self.out_topic)
         return [(self.out_topic, trajectory["task_id"].encode(), value)]
 
-    async def on_record(self, message: Any, now: float) -> None:
-        """One record of the spans topic."""
-        self.stats["records"] += 1
-        span = await self._decode_or_dlq(message)
-        if span is None:
-            return
-        rollout_id, span_id = span.get("rollout_id"), span.get("span_id")
+    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+        rollout_id, span_id = item.get("rollout_id"), item.get("span_id")
         if not rollout_id:
-            await self._reject(message, "span has no rollout_id: it belongs to no rollout", "no_rollout_id")
-            return
+            return "span has no rollout_id: it belongs to no rollout", "no_rollout_id"
         if not span_id:
-            await self._reject(message, f"span of rollout {rollout_id} has no span_id", "no_span_id")
-            return
-        entry = await self.add(message.partition, rollout_id, span_id, message.value, span, now)
-        if entry is not None and entry.due is not None and now >= entry.due:
-            await self.close(entry)
+            return f"span of rollout {rollout_id} has no span_id", "no_span_id"
+        return None
+
+    def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
+        return item["rollout_id"], item["span_id"]
 
 
 class GroupStage(_Stage):
@@ -180,14 +207,5 @@ class GroupStage(_Stage):
         key = entry.key.encode()
         return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
 
-    async def on_record(self, message: Any, now: float) -> None:
-        """One record of the trajectories topic."""
-        self.stats["records"] += 1
-        trajectory = await self._decode_or_dlq(message)
-        if trajectory is None:
-            return
-        entry = await self.add(
-            message.partition, trajectory["task_id"], trajectory["attempt_id"], message.value, trajectory, now
-        )
-        if entry is not None and entry.due is not None and now >= entry.due:
-            await self.close(entry)
+    def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
+        return item["task_id"], item["attempt_id"]

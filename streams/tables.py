@@ -16,6 +16,13 @@ faust's ``raw`` codec), so a recovered store holds exactly what was written.
 Every key starts with ``b"<partition>\\x1f"`` (:func:`make_key`): after a
 rebalance the stages can tell which entries belong to partitions they still own.
 
+Chunks (:func:`pack_items`): the stages write the new items of one key from one
+consumed batch as ONE table value (the raw records, length-prefixed), named by
+the source offset of its first record, instead of one write per item: a rollout
+of 7 spans costs one changelog record and one tombstone, not 7 of each.
+Re-applying a batch after a crash rewrites the same records (the stages dedupe
+items by id in memory), so this stays idempotent.
+
 Tansu fix (:func:`catch_up`): faust ends recovery at the broker's reported
 high watermark, and Tansu 0.6 reports the LAST BATCH's base offset + 1 there
 (see boltstream.kafka), so the rest of that batch may never reach the store.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
@@ -41,6 +49,9 @@ from boltstream.kafka import consumer_kwargs, log_end_offsets
 log = logging.getLogger(__name__)
 
 SEP = b"\x1f"
+# First byte of a chunk value; a single raw record (Avro: 0xC3 or 0x00) never starts with it.
+CHUNK_MAGIC = b"\xb5"
+_LEN = struct.Struct(">I")
 
 
 def make_key(partition: int, *parts: str) -> bytes:
@@ -52,6 +63,29 @@ def split_key(key: bytes) -> tuple[int, list[str]]:
     """Inverse of :func:`make_key`."""
     head, *rest = key.split(SEP)
     return int(head), [r.decode("utf-8") for r in rest]
+
+
+def pack_items(raws: Iterable[bytes]) -> bytes:
+    """One table value holding several raw records (see the module docstring)."""
+    parts = [CHUNK_MAGIC]
+    for raw in raws:
+        parts.append(_LEN.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def unpack_items(value: bytes) -> list[bytes]:
+    """Inverse of :func:`pack_items`; a value that is not a chunk is one raw record."""
+    if not value.startswith(CHUNK_MAGIC):
+        return [value]
+    out = []
+    pos, end = len(CHUNK_MAGIC), len(value)
+    while pos < end:
+        (size,) = _LEN.unpack_from(value, pos)
+        pos += _LEN.size
+        out.append(value[pos : pos + size])
+        pos += size
+    return out
 
 
 class ChangelogMap:

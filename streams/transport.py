@@ -8,17 +8,49 @@ Two measured problems with faust-streaming 0.15.3's stock aiokafka transport:
    ~0.6 s median, 1.3 s worst (measured with aiokafka against Tansu 0.6;
    50 ms wait -> 1.3 ms median). :class:`TunedConsumerThread` sets our own
    wait (``FETCH_MAX_WAIT_MS``) before the consumer starts.
-2. Throughput. For every record, faust's consumer loop runs
-   ``wait_first(callback(message), suspend_flow.wait())``, which creates four
-   asyncio tasks (the callback, the suspend flag, the service's stopped and
-   crashed flags) just to be able to abandon a delivery when a rebalance
-   starts. That capped a worker at ~3,000 records/s with NO work done
-   (profiled: 4 tasks and 3 event-loop rounds per record). When the flow is
-   not suspended, flow control is open and the producer buffer is not over
-   its limit, the callback cannot block on any of those, so
-   :class:`FastDrainConsumer` awaits it directly (~6,000 records/s with no
-   work); otherwise it takes faust's own path. Off with
-   ``BOLTSTREAM_STREAM_FAST_CONSUMER=false``.
+2. Throughput. faust hands every record to an agent one at a time: for each,
+   ``wait_first(callback(message), suspend_flow.wait())`` (four asyncio tasks),
+   the conductor's callback, the agent's queue, the stream's iteration with its
+   sensors and ack bookkeeping. That alone capped a worker at ~3,000 records/s
+   doing nothing, before any of our own per-record work (a table write each).
+   :class:`BatchDrainConsumer` hands a topic's records of one fetch to a
+   *batch handler* (``StreamFaustApp.batch_handlers``, topic name -> async
+   callable) in one call, so the stages decode, stage and write per batch.
+   Off with ``BOLTSTREAM_STREAM_FAST_CONSUMER=false`` (then faust's own
+   per-record path and agents run, unchanged).
+
+What the batch path keeps from faust's (``Consumer.getmany`` and
+``_drain_messages``, 0.15.3): only active (not paused) partitions are handed
+over; a fetch that returns while the flow is stopped (a rebalance started) is
+dropped and the partitions are sought back to their committed offsets; records
+below the partition's read offset are skipped and gaps recorded; a batch is not
+handed over once the consumer generation changed. Every record is tracked as
+unacked before the handler runs and acked after it returned, so faust's offset
+commit (which flushes the producer first) never passes a record whose table
+writes were not sent, and a rebalance waits for a batch in progress
+(``stream_wait_empty``). Topics without a handler (table changelogs during
+recovery, faust's leader topic) go through faust's per-record callback.
+
+The stall after a rebalance (the crash test lost samples about one run in four).
+faust passes its *live* set of active partitions to aiokafka's
+``fetched_records()``, which runs in faust's consumer thread and waits up to a
+second for records. A rebalance meanwhile pauses partitions (emptying that set:
+aiokafka reads an empty set as "every partition") or resumes others, so the
+fetch in flight returns records - advancing aiokafka's position - for
+partitions faust did not ask for or has paused since. faust then drops them:
+silently when the partition is not active, or with ``perform_seek()`` (seek to
+the committed offset) when the flow is stopped; but aiokafka's
+``seek_to_committed`` leaves a partition with no committed offset where it is.
+In the crash test the killed worker's partitions often have no commit yet (it
+dies ~2 s after its first assignment), so the survivor that takes one over
+starts it at offset 0, a stale fetch drains 0..N and those spans are never
+processed: their rollouts stay open, their groups incomplete, until the next
+rebalance (instrumented run: 254 spans of one partition drained this way, 158
+samples missing). Both transports hand aiokafka a copy of the active set;
+:class:`BatchDrainConsumer` also seeks every partition with records it fetched
+but did not hand over back to the first of them (when still assigned), so
+nothing depends on a commit existing. faust's own per-record path
+(``fast_consumer=false``) still drops such records as faust does.
 
 Everything else (group protocol, assignor, offsets, recovery) is faust's.
 """
@@ -27,8 +59,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from time import monotonic
+from typing import Any
 
 import faust
 from faust.transport import consumer as faust_consumer
@@ -37,7 +70,8 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 log = logging.getLogger(__name__)
 
 FETCH_MAX_WAIT_MS = 20
-YIELD_EVERY = 100
+FETCH_TIMEOUT_S = 1.0  # how long one getmany waits for records (faust's value)
+IDLE_WAIT_S = 0.1  # no active partition (recovery in progress): look again after this long
 
 
 class TunedConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -52,54 +86,47 @@ class TunedConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
 
 
 class TunedConsumer(faust_aiokafka.Consumer):
-    """Stock record delivery, tuned fetch wait."""
+    """Stock record delivery, tuned fetch wait, and the fetch asks for a copy of the active set."""
 
     def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
         return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
+    async def _getmany(self, active_partitions: set[Any] | None, timeout: float) -> Any:
+        # faust hands aiokafka its live set; see "the stall" in the module docstring.
+        wanted = None if active_partitions is None else set(active_partitions)
+        return await super()._getmany(wanted, timeout)
 
-class FastDrainConsumer(TunedConsumer):
-    """Delivers a record without faust's per-record ``wait_first`` when nothing can block."""
+
+BatchHandler = Callable[[list[Any]], Awaitable[None]]
+
+
+class BatchDrainConsumer(TunedConsumer):
+    """Delivers each fetch to the topics' batch handlers (see the module docstring)."""
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs inside faust
-        # Same loop as faust.transport.consumer.Consumer._drain_messages (0.15.3) except the delivery.
-        callback = self.callback
-        getmany = self.getmany
+        handlers: dict[str, BatchHandler] = self.app.batch_handlers
         consumer_should_stop = self._stopped.is_set
         fetcher_should_stop = fetcher._stopped.is_set
-        get_read_offset = self._read_offset.__getitem__
-        set_read_offset = self._read_offset.__setitem__
-        acks_enabled_for = self.app.topics.acks_enabled_for
-        suspend_flow = self.suspend_flow
-        flow_control = self.app.flow_control
-        buffer = self.app.producer.buffer
-        since_yield = 0
         try:
             while not (consumer_should_stop() or fetcher_should_stop()):
+                if not self.flow_active:
+                    await self.wait(self.can_resume_flow)
+                    continue
+                generation = self.app.consumer_generation_id
+                # A COPY of the active set: aiokafka reads it in the consumer thread while a
+                # rebalance mutates ours, and it drains EVERY partition when handed an empty set.
+                wanted = set(self._get_active_partitions())
+                if not wanted:
+                    await self.sleep(IDLE_WAIT_S)
+                    continue
                 self.diag.set_flag(faust_consumer.CONSUMER_FETCHING)
-                ait = cast(AsyncIterator[Any], getmany(timeout=1.0))
-                await self.sleep(0)
-                if not self.should_stop:
-                    async for tp, message in ait:
-                        since_yield += 1
-                        if since_yield > YIELD_EVERY:
-                            await asyncio.sleep(0)
-                            since_yield = 0
-                        offset = message.offset
-                        r_offset = get_read_offset(tp)
-                        if r_offset is not None and offset < r_offset:
-                            continue
-                        if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
-                            await self._add_gap(tp, r_offset + 1, offset)
-                        if self._commit_every is not None and self._n_acked >= self._commit_every:
-                            self._n_acked = 0
-                            await self.commit()
-                        if suspend_flow.is_set() or not flow_control.is_active() or buffer.size > buffer.max_messages:
-                            await self.wait_first(callback(message), suspend_flow.wait())
-                        else:
-                            await callback(message)
-                        set_read_offset(tp, offset)
-                self.diag.unset_flag(faust_consumer.CONSUMER_FETCHING)
+                try:
+                    records = await self._getmany(active_partitions=wanted, timeout=FETCH_TIMEOUT_S)
+                finally:
+                    self.diag.unset_flag(faust_consumer.CONSUMER_FETCHING)
+                await asyncio.sleep(0)
+                if records and not self.should_stop:
+                    await self._deliver(records, generation, handlers)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
                 self.log.info("Broker stopped consumer, shutting down...")
@@ -111,19 +138,115 @@ class FastDrainConsumer(TunedConsumer):
                 return
             raise
 
+    def _deliverable(self, tp: Any, generation: int) -> bool:
+        return (
+            self.flow_active
+            and self.app.consumer_generation_id == generation
+            and (tp in self._get_active_partitions() or tp in self._buffered_partitions)
+        )
+
+    async def _deliver(self, records: Any, generation: int, handlers: dict[str, BatchHandler]) -> None:
+        read_offset = self._read_offset
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        monitor = self.app.monitor
+        to_message = self._to_message
+        batches: dict[str, list[Any]] = {}
+        undelivered: dict[Any, int] = {}  # tp -> first offset fetched but not handed over
+        for tp, tp_records in records.items():
+            if not tp_records:
+                continue
+            if not self._deliverable(tp, generation):
+                undelivered[tp] = tp_records[0].offset
+                continue
+            monitor.track_tp_end_offset(tp, self.highwater(tp))
+            last = read_offset[tp]
+            messages = []
+            for record in tp_records:
+                offset = record.offset
+                if last is not None and offset < last:
+                    continue
+                if last and offset - last > 1 and acks_enabled_for(tp.topic):
+                    await self._add_gap(tp, last + 1, offset)
+                messages.append(to_message(tp, record))
+                last = offset
+            if not messages:
+                continue
+            if tp.topic in handlers:
+                batches.setdefault(tp.topic, []).extend(messages)
+                continue
+            for message in messages:  # faust's per-record path (changelogs in recovery, leader topic)
+                if not self._deliverable(tp, generation):
+                    undelivered[tp] = message.offset
+                    break
+                await self.wait_first(self.callback(message), self.suspend_flow.wait())
+                read_offset[tp] = message.offset
+        for topic, messages in batches.items():
+            if not all(self._deliverable(tp, generation) for tp in {m.tp for m in messages}):
+                for message in messages:
+                    undelivered.setdefault(message.tp, message.offset)
+                continue
+            await self._hand_over(handlers[topic], topic, messages)
+        if undelivered:
+            await self._rewind(undelivered)
+
+    async def _hand_over(self, handler: BatchHandler, topic: str, messages: list[Any]) -> None:
+        unacked = self._unacked_messages
+        inbound = self.app.monitor.stream_inbound_time
+        now = monotonic()
+        for message in messages:
+            unacked.add(message)
+            inbound[message.tp] = now
+        try:
+            await handler(messages)
+        except Exception:  # the handlers dead-letter what they cannot use; this is a bug, not input
+            self.log.exception("batch handler for %s failed; %d record(s) acked anyway", topic, len(messages))
+        ack = self.ack
+        read_offset = self._read_offset
+        for message in messages:
+            ack(message)
+            read_offset[message.tp] = message.offset
+
+    async def _rewind(self, undelivered: dict[Any, int]) -> None:
+        """Seek partitions back to records that were fetched (the position moved past them) but not handed over.
+
+        faust drops such records silently and relies on the next recovery's seek to the
+        committed offset, which aiokafka skips for a partition with no commit yet: the
+        records would then be skipped until the next rebalance. A partition no longer
+        assigned is left to its new owner.
+        """
+        assigned = self.assignment()
+        for tp, offset in undelivered.items():
+            if tp not in assigned:
+                continue
+            try:
+                await self.seek_wait({tp: offset})
+            except Exception as exc:  # revoked meanwhile: the new assignment starts from the commit
+                self.log.info("not rewinding %s to %d: %r", tp, offset, exc)
+                continue
+            self._read_offset[tp] = offset if offset else None
+            self.log.info("rewound %s to offset %d: fetched but not handed over", tp, offset)
+
 
 class TunedTransport(faust_aiokafka.Transport):
     Consumer = TunedConsumer
 
 
 class FastTransport(faust_aiokafka.Transport):
-    Consumer = FastDrainConsumer
+    Consumer = BatchDrainConsumer
 
 
 class StreamFaustApp(faust.App):
-    """faust.App whose consumer transport is :class:`FastTransport` or :class:`TunedTransport`."""
+    """faust.App whose consumer transport is :class:`FastTransport` or :class:`TunedTransport`.
+
+    ``batch_handlers`` (topic name -> async callable taking a list of messages)
+    is read by :class:`BatchDrainConsumer` only.
+    """
 
     fast_consumer: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_handlers: dict[str, BatchHandler] = {}
 
     def _new_transport(self) -> Any:
         cls = FastTransport if self.fast_consumer else TunedTransport

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import pytest
-
 from boltstream.config import Settings
 from boltstream.schemas import Codec
 from tests.integration.streams.stream_helpers import TopicReader, produce, samples_of
@@ -22,10 +20,6 @@ from tests.integration.streams.stream_workload import interleaved_spans, make_wo
 TASKS, GROUP = 50, 4
 
 
-# Known intermittent stall (about 1 run in 5 here): after the rebalance the surviving
-# workers sometimes stop fetching; see docs/streams.md. One rerun, with a fresh
-# namespace, keeps CI honest about everything else while that is investigated.
-@pytest.mark.flaky(reruns=1)
 async def test_sigkill_one_of_two_workers_mid_stream(settings: Settings, start_worker, app_id, record_property) -> None:
     rollouts = make_workload(TASKS, GROUP, seed=23, run=settings.namespace)
     expected = reference_samples(rollouts)

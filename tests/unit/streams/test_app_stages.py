@@ -18,7 +18,7 @@ from boltstream.schemas import Codec
 from boltstream.streams.config import StreamConfig
 from boltstream.streams.dlq import DeadLetters
 from boltstream.streams.stages import GroupStage, RolloutStage
-from boltstream.streams.tables import ChangelogMap, make_key, split_key
+from boltstream.streams.tables import ChangelogMap, make_key, pack_items, split_key, unpack_items
 from tests.unit.streams.factory import llm_span, reward_span, root_span, tool_span
 
 CODEC = Codec()
@@ -249,3 +249,41 @@ def test_stream_config_from_env() -> None:
     assert (config.group_size, config.grace_s, config.app_name) == (8, 0.5, "a1")
     assert load_stream_config(env=env).app_name == "n.stream"
     assert config.batch_bytes == config.settings.max_message_bytes - 16_384
+
+
+async def test_a_batch_writes_one_chunk_per_rollout_and_deletes_it_once() -> None:
+    stage, app = make(RolloutStage)
+    a, b = rollout_spans("ra", "t1:0"), rollout_spans("rb", "t1:1")
+    interleaved = [span for pair in zip(a, b, strict=True) for span in pair]
+    await stage.on_batch([Msg(enc(span), 0, offset) for offset, span in enumerate(interleaved)], 1000.0)
+    await settle()
+    assert len(app.producer.to("u.trajectories")) == 2 and not stage.open
+    items = app.producer.to("app-rollout-items-changelog")
+    writes, tombstones = [s for s in items if s[2] is not None], [s for s in items if s[2] is None]
+    assert [split_key(s[1]) for s in writes] == [(0, ["ra", "@0"]), (0, ["rb", "@1"])]
+    assert [len(unpack_items(s[2])) for s in writes] == [5, 5]
+    assert sorted(s[1] for s in tombstones) == sorted(s[1] for s in writes)
+
+
+async def test_rebuild_splits_a_chunk_back_into_its_items() -> None:
+    stage, app = make(RolloutStage)
+    spans = rollout_spans("r-chunk")
+    stage.items.store[make_key(2, "r-chunk", "@40")] = pack_items([enc(span) for span in spans[:3]])
+    stage.items.store[make_key(2, "r-chunk", "@90")] = pack_items([enc(span) for span in spans[2:]])  # overlaps
+    stage.ready = False
+    await stage.rebuild({2}, now=50.0)
+    entry = stage.open[(2, "r-chunk")]
+    assert set(entry.items) == {s["span_id"] for s in spans} and len(entry.chunks) == 2
+    await stage.tick(50.0)
+    await settle()
+    trajectory = CODEC.decode(app.producer.to("u.trajectories")[0][2], expect="Trajectory")
+    assert [t["call_index"] for t in trajectory["turns"]] == [0, 1]
+    tombstones = [s[1] for s in app.producer.to("app-rollout-items-changelog") if s[2] is None]
+    assert sorted(tombstones) == [make_key(2, "r-chunk", "@40"), make_key(2, "r-chunk", "@90")]
+    assert not stage.items.store
+
+
+def test_pack_items_round_trips_and_reads_a_single_record_as_one_item() -> None:
+    raws = [b"\xc3\x01abc", b"", b"\x00\x00\x00\x00\x01xyz"]
+    assert unpack_items(pack_items(raws)) == raws
+    assert unpack_items(b"\xc3\x01single") == [b"\xc3\x01single"]

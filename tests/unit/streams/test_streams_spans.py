@@ -19,6 +19,7 @@ from boltstream.streams.spans import (
     own_agent_name,
     reward_of,
     span_ids,
+    span_kind,
 )
 from tests.unit.streams.factory import llm_span, reward_span, root_span, span, tool_span
 
@@ -86,6 +87,17 @@ def test_llm_block_makes_an_llm_span_and_token_ids_are_separate() -> None:
 )
 def test_is_tool_span(attrs: dict, expected: bool) -> None:
     assert is_tool_span(span("x", attrs=attrs)) is expected
+
+
+def test_span_kind_agrees_with_the_single_predicates() -> None:
+    samples = [
+        llm_span("l", [1], [2], start=0, end=1), tool_span("t", start=0, end=1, error=True),
+        reward_span("w", 1.0, at=0), root_span(), span("x"), span("e", attrs={"openinference.span.kind": "TOOL"}),
+        span("b", attrs={"gen_ai.operation.name": " chat", "traceloop.span.kind": "TOOL"}),
+        span("r", name="x", attrs={"boltstream.span.kind": "reward", "gen_ai.operation.name": "execute_tool"}),
+    ]
+    for s in samples:
+        assert tuple(span_kind(s)) == (is_llm_span(s), is_tool_span(s), is_reward_span(s)), s["span_id"]
 
 
 def test_reward_and_root_classification() -> None:
