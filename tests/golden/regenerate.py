@@ -5,7 +5,7 @@
 
 The fixtures pin the exact bytes on the wire: ``<record>.single.bin`` (Avro single-object encoding)
 and ``<record>.confluent.bin`` (Confluent wire format, schema ids from ``GOLDEN_SCHEMA_IDS``), each
-the encoding of ``tests/unit/schemas/examples.py``'s example. Data already in Kafka topics was
+the encoding of ``tests/unit/schemas/record_examples.py``'s example. Data already in Kafka topics was
 written this way, so a test failing against them means the change would break reading old data or
 other consumers: regenerate only when that is intended (a new schema version), and say so in the commit.
 """
@@ -24,7 +24,7 @@ if __name__ == "__main__" and str(_ROOT) not in sys.path:  # run as a script: ma
 
 from boltstream.schemas import Codec, InMemorySchemaRegistry  # noqa: E402
 from boltstream.schemas.loader import default_catalog, snake_case  # noqa: E402
-from tests.unit.schemas.examples import EXAMPLES  # noqa: E402
+from tests.unit.schemas.record_examples import EXAMPLES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Make ``tests.*`` importable however pytest is started.
 
-These tests share fixtures as modules (``tests.unit.schemas.examples``, ``tests.golden.regenerate``).
+These tests share fixtures as modules (``tests.unit.schemas.record_examples``, ``tests.golden.regenerate``).
 ``python -m pytest`` from the repository root already has the root on ``sys.path``; plain ``pytest``
 (or a run from another directory) does not, so put it there. A no-op once pytest's
 ``pythonpath = ["."]`` is configured.

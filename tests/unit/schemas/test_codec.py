@@ -13,7 +13,7 @@ from fastavro import schemaless_writer
 from boltstream.schemas import RECORDS, Codec, InMemorySchemaRegistry, SchemaError
 from boltstream.schemas.loader import default_catalog
 from tests.golden.regenerate import GOLDEN_SCHEMA_IDS, TOPICS, golden_bytes, golden_path, golden_registry
-from tests.unit.schemas.examples import EXAMPLES, MINIMAL
+from tests.unit.schemas.record_examples import EXAMPLES, MINIMAL
 
 FRAMINGS = ("single", "confluent")
 

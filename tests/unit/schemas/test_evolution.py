@@ -13,7 +13,7 @@ import pytest
 
 from boltstream.schemas import Codec, InMemorySchemaRegistry, SchemaError
 from boltstream.schemas.loader import default_catalog
-from tests.unit.schemas.examples import EXAMPLES
+from tests.unit.schemas.record_examples import EXAMPLES
 
 ADDED_FIELDS = [
     {"name": "sampler", "type": ["null", "string"], "default": None},

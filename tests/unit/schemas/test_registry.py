@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from boltstream.schemas import Codec, HttpSchemaRegistry, InMemorySchemaRegistry, SchemaError, SchemaRegistry
-from tests.unit.schemas.examples import EXAMPLES
+from tests.unit.schemas.record_examples import EXAMPLES
 
 
 class FakeRegistry(ThreadingHTTPServer):

@@ -6,7 +6,7 @@ Rules that keep these usable as golden fixtures:
 * ``float`` fields (logprobs) hold values exact in 32 bits (-0.5, -0.125, ...), because Avro ``float``
   is single precision and any other value would come back rounded.
 
-Import as ``from tests.unit.schemas.examples import EXAMPLES`` (or copy a dict and change it:
+Import as ``from tests.unit.schemas.record_examples import EXAMPLES`` (or copy a dict and change it:
 ``{**EXAMPLES["Span"], "span_id": ...}``); treat the dicts as read-only.
 """
 
