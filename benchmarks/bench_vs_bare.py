@@ -180,7 +180,7 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
         groups_per_step=args.groups_per_step, steps=args.steps, time_budget_s=args.pipeline_budget,
-        eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature,
+        eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature, call_credit="episode",
         air_rules=ROOT / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),
     )

@@ -80,6 +80,9 @@ def main(argv: list[str]) -> int:
     kwargs = _common(args, Path("out/demo"))
     kwargs.setdefault("air_rules", REPO / "examples" / "calc" / "air.yaml")
     # Sized for 15 minutes on 2 CPU cores, evaluation included.
+    # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
+    # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
+    kwargs.setdefault("call_credit", "episode")
     for key, value in (("steps", 6), ("groups_per_step", 2), ("group_size", 4), ("eval_tasks", 16),
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)

@@ -53,6 +53,9 @@ class PipelineConfig:
     temperature: float = 0.7
     agent_match: str | None = None
     air_rules: Path | None = None
+    # "return": a call's advantage from its own return G_t; "episode": every call of a rollout
+    # shares the rollout's advantage (steadier when intermediate rewards are small; streams/credit.py).
+    call_credit: str = "return"
     seed: int = 0  # the learner's (LoRA init, RNG); the demo also seeds its tasks with it
     extra_env: tuple[tuple[str, str], ...] = ()
 

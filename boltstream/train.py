@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--lr", type=float, default=None)
     a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
     a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
+    a("--call-credit", choices=("return", "episode"), default=None,
+      help="a call's advantage from its own return (default) or its rollout's episode return")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
     a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
@@ -102,7 +104,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
             train_started = time.monotonic()
-            stream = ["stream", "worker", "--group-size", str(cfg.group_size)]
+            stream = ["stream", "worker", "--group-size", str(cfg.group_size), "--call-credit", cfg.call_credit]
             if cfg.agent_match:
                 stream += ["--agent-match", cfg.agent_match]
             if cfg.air_rules:
@@ -203,6 +205,7 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
         "eval_tasks": args.eval_tasks, "lr": args.lr, "temperature": args.temperature, "agent_match": args.agent_match,
         "air_rules": args.air_rules, "seed": args.seed,
+        "call_credit": args.call_credit,
     }
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.full:

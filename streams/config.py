@@ -69,6 +69,7 @@ class StreamConfig:
     loss_weight: str = "none"
     trajectory_mode: bool = False
     failure_reward: float = 0.0
+    call_credit: str = "return"
     # Batch parts are sized below this many bytes (default: the broker's max message size minus headroom).
     max_batch_bytes: int | None = None
     # Skip faust's four-task-per-record wait in the consumer loop when nothing can block (streams.fastpath).
@@ -133,6 +134,7 @@ class StreamConfig:
             loss_weight=self.loss_weight,  # type: ignore[arg-type]  # checked in __post_init__
             trajectory_mode=self.trajectory_mode,
             failure_reward=self.failure_reward,
+            call_credit=self.call_credit,  # type: ignore[arg-type]  # CreditConfig validates it
         )
 
 

@@ -14,7 +14,8 @@ reward each call gets, pure and deterministic so replays give the same numbers.
 - GRPO baseline over the group (all attempts of one task): mean and std of the
   episode returns G_{i,0} (a rollout without trained calls counts with
   G_0 = R_final); A_{i,t} = (G_{i,t} - mean) / (std + eps), or G - mean with
-  ``std_normalize=False``. Sample std (n - 1) by default like torch.std/verl/TRL;
+  ``std_normalize=False``; 0 for a group without spread (std <= eps).
+  ``call_credit="episode"`` uses G_{i,0} for every call of rollout i instead. Sample std (n - 1) by default like torch.std/verl/TRL;
   a group of one has std 0.
 - Loss weight: 1.0, or 1 / T_i with T_i = number of samples of rollout i (its
   trained calls; in trajectory mode a merged sample counts once).
@@ -100,12 +101,18 @@ def group_baseline(episode_returns: Sequence[float], *, unbiased: bool = True) -
 
 
 def grpo_advantage(value: float, mean: float, std: float, config: CreditConfig) -> float:
-    """A = (G - mean) / (std + eps), or G - mean when ``std_normalize`` is off."""
+    """A = (G - mean) / (std + eps), or G - mean when ``std_normalize`` is off.
+
+    A group without spread (std <= eps) gives 0: its attempts did equally well, and a
+    call whose G_t differs from the episode returns (an intermediate reward earlier in
+    the rollout) would otherwise be divided by eps alone.
+    """
     centred = value - mean
     if not config.std_normalize:
         return centred
-    denom = std + config.eps
-    return centred / denom if denom > 0 else 0.0
+    if std <= config.eps or std + config.eps <= 0:
+        return 0.0
+    return centred / (std + config.eps)
 
 
 def merge_turns(turns: Sequence[Mapping[str, Any]]) -> list[list[int]]:
@@ -164,7 +171,7 @@ def trajectory_samples(
             tokens += inserted + response
             mask += [False] * len(inserted) + [True] * len(response)
             logprobs += [0.0] * len(inserted) + _logprobs(turn)
-        g = returns.call_returns[group[0]]
+        g = returns.call_returns[group[0]] if config.call_credit == "return" else returns.episode_return
         samples.append(
             {
                 "sample_id": f"{trajectory['attempt_id']}:{first['call_index']}",

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 LossWeightMode = Literal["none", "inverse_calls"]
 LOSS_WEIGHT_MODES: tuple[str, ...] = ("none", "inverse_calls")
+CallCreditMode = Literal["return", "episode"]
+CALL_CREDIT_MODES: tuple[str, ...] = ("return", "episode")
 
 
 def _finite(name: str, value: object) -> float:
@@ -71,7 +73,15 @@ class CreditConfig:
 
     - ``gamma``: discount over a rollout's LLM calls, G_t = r_t + gamma * G_{t+1}
       (final reward at the last call); 1.0 gives every call the episode reward.
-    - ``eps``: added to the group std, A = (G - mean) / (std + eps).
+    - ``eps``: added to the group std, A = (G - mean) / (std + eps). A group whose
+      episode returns spread by no more than ``eps`` teaches nothing: every advantage is 0
+      (dividing its calls' within-rollout differences by eps would give |A| ~ 1e5).
+    - ``call_credit``: what a call's advantage is computed from. "return": its own
+      return G_t (LightningRL per-call credit); "episode": the rollout's episode return
+      G_0, so every call of a rollout shares one advantage. With intermediate rewards
+      "return" compares a later call's G_t (which excludes rewards earned before it)
+      with a baseline of episode returns, so later calls read as worse than they are;
+      "episode" avoids that at the cost of per-call resolution.
     - ``std_normalize``: False gives A = G - mean (Dr. GRPO style).
     - ``std_unbiased``: sample std (n - 1, as torch.std / verl / TRL) or population std (n).
     - ``loss_weight``: "none" (1.0) or "inverse_calls" (1 / T_i, T_i = samples of rollout i).
@@ -87,8 +97,11 @@ class CreditConfig:
     loss_weight: LossWeightMode = "none"
     trajectory_mode: bool = False
     failure_reward: float = 0.0
+    call_credit: CallCreditMode = "return"
 
     def __post_init__(self) -> None:
+        if self.call_credit not in CALL_CREDIT_MODES:
+            raise ValueError(f"call_credit: must be one of {CALL_CREDIT_MODES}, got {self.call_credit!r}")
         gamma = _finite("gamma", self.gamma)
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma: must be in [0, 1], got {gamma}")

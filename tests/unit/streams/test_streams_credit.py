@@ -95,6 +95,34 @@ def test_group_advantages_with_std() -> None:
     assert [s["advantage"] for s in no_std.samples] == [0.5, -0.5, -0.5, 0.5]
 
 
+def test_group_without_spread_gives_zero_advantage_even_with_intermediate_rewards() -> None:
+    # Both attempts: AIR +0.1 on the first call, final 0 -> G = [0.1, 0.0], episode returns 0.1 and 0.1.
+    group = [trajectory(a, [turn(0, [1], [2], rewards=[0.1]), turn(1, [1, 2, 9], [3])], final_reward=0.0)
+             for a in ("a", "b")]
+    credit = group_credit(group, CreditConfig(eps=1e-6))
+    assert credit.std == 0.0
+    # (0.0 - 0.1) / (0 + 1e-6) would be -1e5 for the second calls
+    assert [s["advantage"] for s in credit.samples] == [0.0, 0.0, 0.0, 0.0]
+    assert grpo_advantage(1.1, 1.0, 5e-7, CreditConfig(eps=1e-6)) == 0.0
+
+
+def test_episode_call_credit_gives_every_call_the_rollout_advantage() -> None:
+    group = [
+        # G = [0.1 + 1.0, 1.0], episode return 1.1
+        trajectory("a", [turn(0, [1], [2], rewards=[0.1]), turn(1, [1, 2, 9], [3])], final_reward=1.0),
+        # G = [0.0], episode return 0.0
+        trajectory("b", [turn(0, [1], [4])], final_reward=0.0),
+    ]
+    per_call = group_credit(group, CreditConfig(eps=0.0, std_unbiased=False))
+    episode = group_credit(group, CreditConfig(eps=0.0, std_unbiased=False, call_credit="episode"))
+    # mean 0.55, population std 0.55
+    assert [s["advantage"] for s in per_call.samples] == pytest.approx([1.0, 0.45 / 0.55, -1.0])
+    assert [s["advantage"] for s in episode.samples] == pytest.approx([1.0, 1.0, -1.0])
+    assert [s["reward"] for s in episode.samples] == pytest.approx([1.1, 1.1, 0.0])
+    with pytest.raises(ValueError, match="call_credit"):
+        CreditConfig(call_credit="tokens")  # type: ignore[arg-type]
+
+
 def test_group_with_gamma_intermediate_rewards_and_a_failure() -> None:
     group = [
         # A: r = [-0.2, 0], final 1.0, gamma 0.5: G1 = 1.0 ; G0 = -0.2 + 0.5 * 1.0 = 0.3
