@@ -181,6 +181,7 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
         groups_per_step=args.groups_per_step, steps=args.steps, time_budget_s=args.pipeline_budget,
         eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature, call_credit="episode",
+        tasks_per_version=args.groups_per_step,
         air_rules=ROOT / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),
     )

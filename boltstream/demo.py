@@ -83,6 +83,8 @@ def main(argv: list[str]) -> int:
     # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
     # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
     kwargs.setdefault("call_credit", "episode")
+    # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
+    kwargs.setdefault("tasks_per_version", kwargs.get("groups_per_step", 2))
     for key, value in (("steps", 6), ("groups_per_step", 2), ("group_size", 4), ("eval_tasks", 16),
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)

@@ -56,6 +56,9 @@ class PipelineConfig:
     # "return": a call's advantage from its own return G_t; "episode": every call of a rollout
     # shares the rollout's advantage (steadier when intermediate rewards are small; streams/credit.py).
     call_credit: str = "return"
+    # Runner pacing: at most this many tasks per served policy version (None: run ahead freely).
+    # groups_per_step keeps every step on-policy and spends no CPU on rollouts the learner would drop.
+    tasks_per_version: int | None = None
     seed: int = 0  # the learner's (LoRA init, RNG); the demo also seeds its tasks with it
     extra_env: tuple[tuple[str, str], ...] = ()
 

@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
     a("--call-credit", choices=("return", "episode"), default=None,
       help="a call's advantage from its own return (default) or its rollout's episode return")
+    a("--tasks-per-version", type=int, default=None,
+      help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
     a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
@@ -118,8 +120,9 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
                         "--group-size", str(cfg.group_size))
+            pacing = ["--tasks-per-version", str(cfg.tasks_per_version)] if cfg.tasks_per_version else []
             procs.start("runner", "runner", "--agent", cfg.agent, "--workers", str(cfg.runner_workers),
-                        "--group-size", str(cfg.group_size), "--base-url", base_url)
+                        "--group-size", str(cfg.group_size), "--base-url", base_url, *pacing)
 
             # The after-eval costs what the before-eval did, a little more while the last checkpoint
             # loads and the other components stop: reserve that, not more (every second is training).
@@ -205,7 +208,7 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
         "eval_tasks": args.eval_tasks, "lr": args.lr, "temperature": args.temperature, "agent_match": args.agent_match,
         "air_rules": args.air_rules, "seed": args.seed,
-        "call_credit": args.call_credit,
+        "call_credit": args.call_credit, "tasks_per_version": args.tasks_per_version,
     }
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.full:

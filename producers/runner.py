@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,6 +62,7 @@ class RunnerConfig:
     max_abandoned: int = 8
     max_inflight_tasks: int | None = None
     exit_when_idle_s: float | None = None
+    tasks_per_version: int | None = None  # start at most this many tasks per served policy version
 
     def __post_init__(self) -> None:
         if not self.agent:
@@ -68,6 +70,12 @@ class RunnerConfig:
         for name in ("workers", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.tasks_per_version is not None:
+            if self.tasks_per_version < 1:
+                raise ConfigError("tasks_per_version", self.tasks_per_version, "must be >= 1")
+            if not self.base_url:
+                raise ConfigError("tasks_per_version", self.tasks_per_version,
+                                  "needs --base-url (the worker whose policy version paces the runner)")
         if self.rollout_timeout_s <= 0:
             raise ConfigError("rollout_timeout_s", self.rollout_timeout_s, "must be > 0")
 
@@ -246,9 +254,17 @@ class Runner:
         log.info("runner in group %s: %d workers, group size %d, agent %s", self.config.group,
                  self.config.workers, self.config.group_size, self.config.agent)
         idle_since = time.monotonic()
+        pacer, pacing = None, None
+        if self.config.tasks_per_version is not None:
+            from .pacing import PolicyPacer
+
+            pacer = PolicyPacer(self.config.base_url or "", self.config.tasks_per_version, self._changed.set)
+            pacing = asyncio.create_task(pacer.run(self._stop), name="boltstream-policy-pacer")
         try:
             while not self._stop.is_set():
                 room = self.config.inflight_limit - self.tracker.in_flight()
+                if pacer is not None:
+                    room = min(room, pacer.room())
                 assigned = self._consumer.assignment()
                 if room <= 0:
                     self._consumer.pause(*assigned)
@@ -259,6 +275,8 @@ class Runner:
                     for record in records:
                         entry = self.tracker.start(tp, record.offset)
                         if entry is not None:
+                            if pacer is not None:
+                                pacer.started_one()
                             t = asyncio.create_task(self._run_task(tp, entry, record))
                             self._tasks.setdefault(tp, set()).add(t)
                             t.add_done_callback(self._tasks[tp].discard)
@@ -271,6 +289,10 @@ class Runner:
                     break
             await self._drain()
         finally:
+            if pacing is not None:
+                pacing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pacing
             await self._consumer.stop()
             if self._dlq is not None:
                 await self._dlq.close()
@@ -300,6 +322,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--revoke-grace-s", type=float, help="on rebalance, wait this long for running tasks")
     p.add_argument("--max-abandoned", type=int, help="hung sync agent threads tolerated before exiting 3")
     p.add_argument("--max-inflight-tasks", type=int, help="tasks fetched ahead of the workers")
+    p.add_argument("--tasks-per-version", type=int,
+                   help="start at most N tasks per policy version the worker serves (pace to the learner)")
     p.add_argument("--exit-when-idle-s", type=float, help="exit after this long with nothing to do")
     p.add_argument("--bootstrap-servers")
     p.add_argument("--namespace")
