@@ -29,7 +29,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     assert [r["step"] for r in steps][:2] == [1, 2]
     assert all(r["samples"] > 0 for r in steps)
     # paced runner: 2 tasks per policy version, so each step trained on the version just served
-    assert all(max(map(int, r["staleness"])) <= 1 for r in steps)
+    assert all(set(r["staleness"]) == {"0"} for r in steps)
     # the worker reloaded the learner's checkpoints: the served policy version moved on
     assert summary["policy_version_served"] >= 2
     assert (cfg.out / "curve.png").stat().st_size > 0
