@@ -84,8 +84,9 @@ def main(argv: list[str]) -> int:
     # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
     kwargs.setdefault("call_credit", "episode")
     # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
-    kwargs.setdefault("tasks_per_version", kwargs.get("groups_per_step", 2))
-    for key, value in (("steps", 6), ("groups_per_step", 2), ("group_size", 4), ("eval_tasks", 16),
+    kwargs.setdefault("tasks_per_version", kwargs.get("groups_per_step") or 4)
+    # The time budget, not the step count, ends training (~45 s a step on 2 cores, paced runner).
+    for key, value in (("steps", 30), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)
     cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
