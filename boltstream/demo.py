@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     kwargs.setdefault("call_credit", "episode")
     # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
     kwargs.setdefault("tasks_per_version", kwargs.get("groups_per_step") or 4)
-    # The time budget, not the step count, ends training (~45 s a step on 2 cores, paced runner).
+    # The time budget, not the step count, ends training.
     for key, value in (("steps", 30), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)
