@@ -23,6 +23,13 @@ Reported: held-out score before/after (mean +- SE over tasks) and training
 wall time (from the first rollout to the last update, evaluation excluded)
 for each side, and ``ratio = pipeline_train_s / bare_train_s`` (goal <= 1.3
 at a comparable after-score). JSON goes to benchmarks/results/vs_bare.json.
+
+Measured (defaults: 6 steps x 2 groups x 4, eval 16 x 2, 2 shared cores):
+bare 30 s a step (rollouts 11-15 s batched, update 15-22 s), before 0.125 +- 0.056
+-> after 0.281 +- 0.091, train 184 s; pipeline (paced runner, episode credit)
+before 0.281 +- 0.091 -> after 0.281 +- 0.091, train 186 s: ratio 1.01x. Both
+differences are within about two standard errors: six steps of eight rollouts
+do not separate learning from evaluation noise on either side.
 """
 
 from __future__ import annotations
