@@ -83,13 +83,13 @@ def main(argv: list[str]) -> int:
     # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
     # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
     kwargs.setdefault("call_credit", "episode")
-    # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
-    kwargs.setdefault("tasks_per_version", kwargs.get("groups_per_step") or 4)
     # At most 8 steps: a 16-step run (seed 1) collapsed (entropy 0.3 -> 0.65, one call per rollout,
     # held-out 0.30 -> 0.00); 5-7 step runs did not. Open problem, see docs/learner.md.
     for key, value in (("steps", 8), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
                        ("eval_samples", 2), ("time_budget_s", 840.0)):
         kwargs.setdefault(key, value)
+    # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
+    kwargs.setdefault("tasks_per_version", kwargs["groups_per_step"])
     cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
                          extra_env=(("PYTHONPATH", str(REPO)),
                                     ("CALC_TEMPERATURE", str(kwargs.get("temperature", 0.7)))), **kwargs)

@@ -127,6 +127,8 @@ class CompletionService:
 
     def _spans(self, req: P.ParsedRequest, ctx: CallContext, rid: str, gens: list[Generation],
                texts: list[str]) -> list[dict[str, Any]]:
+        if not ctx.capture:  # evaluation traffic: served, never written
+            return []
         spans, end = [], time.time_ns()
         n = req.params.n
         for p, gen in enumerate(gens):
@@ -142,6 +144,8 @@ class CompletionService:
         return spans
 
     async def _capture(self, spans: list[dict[str, Any]]) -> None:
+        if not spans:
+            return
         try:
             await self.sink.send(spans)
         except Exception as exc:
@@ -191,8 +195,7 @@ class CompletionService:
         gens = list(await asyncio.gather(*(self.backend.generate(p, req.params) for p in req.prompts)))
         completions = [c for g in gens for c in g.completions]
         rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
-        if ctx.capture:
-            await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+        await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
         out = P.envelope(req.kind, rid, req.model, min(g.policy_version for g in gens))
         out["choices"] = [self._choice(req, k, c) for k, c in enumerate(completions)]
         out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens), sum(len(c.token_ids) for c in completions))
@@ -282,8 +285,7 @@ class CompletionService:
                                        sum(len(c.token_ids) for c in completions))
                 yield _sse(out)
             try:
-                if ctx.capture:
-                    await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+                await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
             except ApiError as exc:
                 self._account(req, gens, t0, status=str(exc.status))
                 yield _sse(exc.body())

@@ -110,7 +110,7 @@ def grpo_advantage(value: float, mean: float, std: float, config: CreditConfig) 
     centred = value - mean
     if not config.std_normalize:
         return centred
-    if std <= config.eps or std + config.eps <= 0:
+    if std <= config.eps:  # eps >= 0, so this also covers std + eps == 0
         return 0.0
     return centred / (std + config.eps)
 
