@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # One INFO line per HTTP request (the agents' OpenAI clients) drowns what the components say.
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(_usage() + "\n")
         return 0 if argv else 2

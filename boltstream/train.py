@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import json
 import logging
-import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +27,7 @@ from boltstream.pipeline import (
     evaluate,
     free_port,
     load_tasks,
+    mean_and_se,
     read_jsonl,
     wait_until,
     worker_version,
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--out", type=Path, default=None, help="output folder")
     a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
     a("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    a("--lora-targets", default=None, help="comma-separated module names for LoRA (default: every linear layer)")
     a("--group-size", type=int, default=None, help="attempts per task (GRPO group)")
     a("--groups-per-step", type=int, default=None, help="task groups per learner step")
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
@@ -116,7 +118,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
                      "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
                      "--checkpoint-every", "1", "--lr", str(cfg.lr), "--temperature", str(cfg.temperature), "--metrics-path", str(metrics_path),
                      "--seed", str(cfg.seed),
-                     "--lora" if cfg.lora else "--no-lora"]
+                     *(["--lora", "--lora-targets", ",".join(cfg.lora_targets)] if cfg.lora else ["--no-lora"])]
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
                         "--group-size", str(cfg.group_size))
@@ -152,7 +154,10 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
         finally:
             procs.stop_all()
     summary["wall_s"] = round(time.monotonic() - started, 1)
-    summary["improvement"] = summary["after"]["score"] - summary["before"]["score"]
+    # The same tasks are scored before and after: the per-task difference is the paired unit, and its
+    # standard error is far smaller than either score's (task difficulty cancels out).
+    diffs = [a - b for a, b in zip(summary["after"]["per_task"], summary["before"]["per_task"], strict=True)]
+    summary["improvement"], summary["improvement_se"] = mean_and_se(diffs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(metrics_path, summary, out / "curve.png")
     return summary
@@ -188,6 +193,15 @@ def _plot(metrics_path: Path, summary: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def stop_on_sigterm() -> None:
+    """``kill PID`` ends a run as Ctrl-C does: the children (own sessions) are stopped, not orphaned."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="boltstream train", description=__doc__.split("\n\n")[0])
     p.add_argument("--agent", required=True, help="module:function of your agent (see docs/producers.md)")
@@ -196,6 +210,7 @@ def main(argv: list[str]) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     cfg = PipelineConfig(agent=args.agent, train=args.train, test=args.test, **_common(args, Path("out/train")))
+    stop_on_sigterm()
     summary = run(cfg, external=args.external)
     print_summary(summary)
     return 0
@@ -213,6 +228,8 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.full:
         kwargs["lora"] = False
+    if args.lora_targets:
+        kwargs["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     return kwargs
 
 
@@ -227,10 +244,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         s = summary[key]
         t.add_row(key, f"{s['score']:.3f}", f"{s['se']:.3f}", f"{s['tasks']} x {s['samples_per_task']}")
     Console().print(t)
+    Console().print(f"improvement: {summary['improvement']:+.3f} ± {summary['improvement_se']:.3f} "
+                    "(paired over the same held-out tasks)")
     Console().print(f"learner steps: {summary.get('learner_steps')}, policy version served: "
                     f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s")
-
-
-def clean_out(out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out / "logs", ignore_errors=True)

@@ -12,6 +12,7 @@ OpenAI-compatible endpoint and it runs.
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import os
 import re
@@ -62,7 +63,9 @@ def calculator(expression: str) -> str:
     with tracer.start_as_current_span("execute_tool calculator") as span:
         span.set_attribute("gen_ai.operation.name", "execute_tool")
         span.set_attribute("gen_ai.tool.name", "calculator")
-        span.set_attribute("gen_ai.tool.call.arguments", expression)
+        # JSON, as the GenAI conventions expect: raw text here reads as an invalid tool call to AIR
+        # (boltstream's default tool_args_invalid rule, -0.2), which taught earlier demos to stop calling it.
+        span.set_attribute("gen_ai.tool.call.arguments", json.dumps({"expression": expression}))
         try:
             result = _fmt(evaluate(expression))
         except (ValueError, SyntaxError, ZeroDivisionError) as exc:

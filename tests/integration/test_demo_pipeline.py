@@ -32,6 +32,11 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     assert all(set(r["staleness"]) == {"0"} for r in steps)
     # the worker reloaded the learner's checkpoints: the served policy version moved on
     assert summary["policy_version_served"] >= 2
+    # adapters on every linear layer (PipelineConfig.lora_targets), MLP included, reached the learner
+    learner_config = (cfg.out / "logs" / "learner.log").read_text().split("learner config:")[1].splitlines()[0]
+    assert "'gate_proj', 'up_proj', 'down_proj'" in learner_config
+    assert abs(summary["improvement"] - (summary["after"]["score"] - summary["before"]["score"])) < 1e-9
+    assert summary["improvement_se"] >= 0
     assert (cfg.out / "curve.png").stat().st_size > 0
     saved = json.loads((cfg.out / "summary.json").read_text())
     assert {"before", "after"} <= saved.keys() and "se" in saved["after"]
