@@ -131,33 +131,50 @@ def byte_tokenizer() -> Any:
     )
 
 
-def tiny_model_and_tokenizer(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> tuple[Any, Any]:
-    """A randomly initialised Llama, identical for the same seed, with :func:`byte_tokenizer`."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def tiny_llama(
+    vocab_size: int = 64,
+    seed: int = 0,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    tie_word_embeddings: bool = False,
+    **config: Any,
+) -> Any:
+    """A small ``LlamaForCausalLM`` (SmolLM2's code path) with random weights, in eval mode.
 
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    Built under its own RNG, so the weights depend on ``seed`` only and the calling
+    test's global torch seed is left untouched. ``config`` overrides LlamaConfig fields.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values: dict[str, Any] = {
+        "intermediate_size": hidden_size * 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    values.update(config)
+    llama = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        tie_word_embeddings=tie_word_embeddings, **values)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama)
+    return model.eval()
+
+
+def tiny_model_and_tokenizer(seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> tuple[Any, Any]:
+    """:func:`tiny_llama` with :func:`byte_tokenizer`: what ``--model tiny`` serves and trains."""
+    from transformers import GenerationConfig
+
+    tokenizer = byte_tokenizer()
+    model = tiny_llama(
+        len(tokenizer), seed, hidden_size=hidden_size, num_layers=num_layers, max_position_embeddings=2048,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -1,7 +1,8 @@
 """Tiny randomly initialised models and synthetic samples for tests (no downloads, ms).
 
-The model is a real ``LlamaForCausalLM`` (same code path as SmolLM2), only small, so
-every test exercises the production forward/backward rather than a mock.
+The model (:func:`boltstream.models.tiny_llama`, re-exported) is a real ``LlamaForCausalLM``
+(same code path as SmolLM2), only small, so every test exercises the production
+forward/backward rather than a mock.
 """
 
 from __future__ import annotations
@@ -10,41 +11,11 @@ import logging
 import random
 from typing import Any
 
-import torch
+from boltstream.models import tiny_llama
+
+__all__ = ["random_samples", "tiny_llama"]
 
 logger = logging.getLogger(__name__)
-
-
-def tiny_llama(
-    vocab_size: int = 64,
-    seed: int = 0,
-    *,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    tie_word_embeddings: bool = False,
-) -> torch.nn.Module:
-    """A 2-layer Llama with random weights, built under its own RNG so the global torch
-    seed of the calling test is left untouched and the weights depend on ``seed`` only."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.eval()
-    return model
 
 
 def random_samples(
