@@ -7,17 +7,63 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import minio
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from boltstream import s3
 from boltstream.config import Settings
+from boltstream.kafka import consumer_kwargs, log_end_offsets
+from boltstream.schemas import Codec
+from boltstream.stack import run_sync
 
 BOLTSTREAM = Path(sys.executable).with_name("boltstream")
 CLI_TIMEOUT = 120.0
+
+Record = tuple[int, bytes | None, dict[str, Any]]  # (partition, key, decoded value)
+
+
+async def read_records(settings: Settings, short: str, expect: str, *, count: int | None = None,
+                       until: Callable[[list[Record]], bool] | None = None, to_end: bool = False,
+                       timeout: float = 30.0, topic: str | None = None) -> list[Record]:
+    """Records of a topic from the beginning, all partitions, by assignment (no group), until
+    ``count`` arrived, ``until(records)`` holds, or (``to_end``) the log end at call time was
+    reached; at the latest at the deadline. The caller asserts on what came back."""
+    topic = topic or settings.topic(short)
+    codec = Codec.from_registry_url(settings.schema_registry_url)
+    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
+    await consumer.start()
+    out: list[Record] = []
+    try:
+        await consumer.topics()  # a full metadata fetch (a broker may have auto-created the topic)
+        parts = consumer.partitions_for_topic(topic) or set(range(settings.partitions))
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await log_end_offsets(settings, tps) if to_end else {}  # Tansu's end_offsets() falls short
+
+        async def done() -> bool:
+            if to_end:
+                return all([await consumer.position(tp) >= ends[tp] for tp in tps])
+            return until(out) if until else count is not None and len(out) >= count
+
+        deadline = time.monotonic() + timeout
+        while not await done() and time.monotonic() < deadline:
+            for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+                out.extend((tp.partition, r.key, codec.decode(r.value, topic=topic, expect=expect)) for r in records)
+    finally:
+        await consumer.stop()
+    return out
+
+
+def read_topic(settings: Settings, short: str, expect: str, **kw: Any) -> list[Record]:
+    """:func:`read_records` for synchronous tests."""
+    return run_sync(read_records(settings, short, expect, **kw))
 
 
 def boltstream_argv(*args: str) -> list[str]:

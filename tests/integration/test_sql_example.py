@@ -10,7 +10,6 @@ stream app, run with ``--agent-match ^sql_writer$``, must train only the first.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
@@ -26,38 +25,16 @@ from boltstream.streams.assembly import build_span_tree
 from boltstream.streams.spans import attr, has_token_ids, inherited_agent_names
 from boltstream.train import run
 from examples.sql.tasks import train_test
+from tests.integration.conftest import read_topic
 
 REPO = Path(__file__).resolve().parents[2]
 SITECUSTOMIZE_DIR = os.path.dirname(auto_instrumentation.__file__)
 ROLES = {"sql_writer", "answerer"}
 
 
-async def _read_all(settings: Settings, short: str, record: str) -> list[dict[str, Any]]:
-    """Every record of a topic up to its end offsets at call time (no waiting on a guess)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    from boltstream.kafka import consumer_kwargs, log_end_offsets
-    from boltstream.schemas import Codec
-
-    topic, codec = settings.topic(short), Codec()
-    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await log_end_offsets(settings, tps)  # Tansu's end_offsets() is short of the true end
-        out: list[dict[str, Any]] = []
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for recs in (await consumer.getmany(timeout_ms=500)).values():
-                out += [codec.decode(r.value, topic=topic, expect=record) for r in recs]
-        return out
-    finally:
-        await consumer.stop()
-
-
 def read_all(settings: Settings, short: str, record: str) -> list[dict[str, Any]]:
-    return asyncio.run(asyncio.wait_for(_read_all(settings, short, record), 60))
+    """Every record of a topic up to its end offsets at call time (no waiting on a guess)."""
+    return [value for _, _, value in read_topic(settings, short, record, to_end=True, timeout=60)]
 
 
 def _role(span: dict[str, Any]) -> str | None:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 
 from boltstream.checkpoints import announce_checkpoint
 from boltstream.config import Settings
 from boltstream.inference.launch import WorkerProcess
-from boltstream.kafka import consumer_kwargs, producer_kwargs
+from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
+from tests.integration.conftest import read_records
 
 START_TIMEOUT = 90.0
 
@@ -40,24 +40,10 @@ def start_worker(settings_env: dict[str, str], tmp_path: Path) -> Iterator[Calla
 
 async def read_spans(settings: Settings, expected: int, timeout: float = 30.0) -> list[tuple[bytes, dict[str, Any]]]:
     """(key, Span) for the first ``expected`` records of the spans topic, all partitions, with a deadline."""
-    topic = settings.topic("spans")
-    codec = Codec()
-    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        out: list[tuple[bytes, dict[str, Any]]] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < expected and time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=500)
-            for records in batches.values():
-                out += [(r.key, codec.decode(r.value, topic=topic, expect="Span")) for r in records]
-        assert len(out) >= expected, f"only {len(out)} of {expected} spans arrived"
-        return out
-    finally:
-        await consumer.stop()
+    out = [(key, span) for _, key, span in await read_records(settings, "spans", "Span", count=expected,
+                                                               timeout=timeout)]
+    assert len(out) >= expected, f"only {len(out)} of {expected} spans arrived"
+    return out
 
 
 async def announce(settings: Settings, event: dict[str, Any]) -> None:

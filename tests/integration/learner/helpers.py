@@ -14,13 +14,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, producer_kwargs
+from boltstream.kafka import producer_kwargs
 from boltstream.learner.tiny import random_samples
 from boltstream.schemas import Codec
-from tests.integration.conftest import boltstream_argv
+from tests.integration.conftest import boltstream_argv, read_records
 
 TOKENS = 256  # the tiny model's byte vocabulary (259 with its special tokens)
 
@@ -60,23 +60,10 @@ async def produce(settings: Settings, records: Iterable[dict], partition: int | 
 async def read_topic(settings: Settings, short: str, expected: int, record: str,
                      timeout: float = 20.0) -> list[tuple[bytes | None, dict[str, Any]]]:
     """(key, value) of the first ``expected`` records of a topic, all partitions, within ``timeout``."""
-    topic = settings.topic(short)
-    codec = Codec()
-    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        out: list[tuple[bytes | None, dict[str, Any]]] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < expected and time.monotonic() < deadline:
-            for recs in (await consumer.getmany(timeout_ms=300)).values():
-                out += [(r.key, codec.decode(r.value, topic=topic, expect=record)) for r in recs]
-        assert len(out) >= expected, f"only {len(out)} of {expected} records on {topic}"
-        return out
-    finally:
-        await consumer.stop()
+    out = [(key, value) for _, key, value in await read_records(settings, short, record, count=expected,
+                                                                timeout=timeout)]
+    assert len(out) >= expected, f"only {len(out)} of {expected} records on {settings.topic(short)}"
+    return out
 
 
 class Learner:

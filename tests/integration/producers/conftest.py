@@ -15,47 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, wait_for_broker
-from boltstream.schemas import Codec
+from boltstream.kafka import wait_for_broker
 from boltstream.stack import free_port, run_sync
 from boltstream.topics import ensure_topics
+from tests.integration.conftest import Record, read_topic
 
-Record = tuple[int, bytes | None, dict[str, Any]]
-
-
-async def _read(settings: Settings, topic: str, expect: str, until: Callable[[list[Record]], bool],
-                timeout: float) -> list[Record]:
-    codec = Codec.from_registry_url(settings.schema_registry_url)
-    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
-    await consumer.start()
-    out: list[Record] = []
-    try:
-        await consumer.topics()  # a full metadata fetch (a broker may have auto-created the topic)
-        parts = consumer.partitions_for_topic(topic) or set(range(settings.partitions))
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        deadline = time.monotonic() + timeout
-        while not until(out) and time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=200)
-            for tp, records in batches.items():
-                out.extend((tp.partition, r.key, codec.decode(r.value, topic=topic, expect=expect))
-                           for r in records)
-    finally:
-        await consumer.stop()
-    return out
-
-
-def read_topic(settings: Settings, short: str, expect: str, *, count: int | None = None,
-               until: Callable[[list[Record]], bool] | None = None, timeout: float = 30.0,
-               topic: str | None = None) -> list[Record]:
-    """Records of ``settings.topic(short)`` from the beginning, until ``count`` / ``until`` or the deadline."""
-    cond = until or (lambda recs: count is not None and len(recs) >= count)
-    return run_sync(_read(settings, topic or settings.topic(short), expect, cond, timeout))
-
+__all__ = ["Record", "read_topic"]
 
 @pytest.fixture
 def read_spans(settings: Settings) -> Callable[..., list[Record]]:
