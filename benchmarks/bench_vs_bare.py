@@ -1,6 +1,6 @@
 """The pipeline against a bare single-process GRPO loop on the calculator agent, in the same run.
 
-    .venv/bin/python benchmarks/bench_vs_bare.py [--steps 8] [--groups-per-step 4] [--group-size 4] [--lr 1e-3]
+    .venv/bin/python benchmarks/bench_vs_bare.py [--steps 12] [--groups-per-step 4] [--group-size 4] [--lr 1e-3]
 
 Issue 7 asks that the pipeline (runners -> inference worker -> broker -> stream
 app -> learner -> S3 checkpoints -> worker reload) reach the held-out score of
@@ -201,7 +201,7 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # The demo's settings (boltstream/demo.py).
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=32)
