@@ -42,7 +42,7 @@ HELP = {
     "idle_exit_s": "stop when no record arrived for this many seconds",
     "metrics_path": "append one JSON line per step/checkpoint here",
     "metrics_port": "serve Prometheus /metrics on this port (0 = any free port)",
-    "max_tokens_per_micro_batch": "micro-batch budget, rows x padded length (default 4096)",
+    "max_tokens_per_micro_batch": "micro-batch budget, rows x padded length (default 1024)",
     "deepspeed": "DeepSpeed ZeRO backend (extra [deepspeed]); ranks from RANK/WORLD_SIZE/MASTER_*",
     "zero_stage": "ZeRO stage 0, 1 or 2 (default 1)",
     "resume": "start from the run's newest checkpoint (default on)",
