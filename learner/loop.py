@@ -12,18 +12,23 @@ In the spirit of nanochat's ``chat_rl.py``, the whole algorithm is one function,
 * :mod:`.resume` publishes checkpoints to S3 and loads the newest one at start;
 * :mod:`.metrics` logs each step to the console, Prometheus and a JSONL file.
 
-Asynchrony: the step runs in a worker thread (``asyncio.to_thread``), so aiokafka keeps
-fetching the next groups while the model trains; samples produced by an older policy
-than ``max_staleness`` versions are dropped when their group is taken into a step.
+Asynchrony: the step runs in a worker thread, so aiokafka keeps fetching the next groups
+while the model trains; samples produced by an older policy than ``max_staleness`` versions
+are dropped when their group is taken into a step. Everything that touches the model runs
+on ONE dedicated thread: glibc gives each thread its own malloc arena and keeps a freed
+peak in it, so steps spread over a thread pool held one activation peak per thread
+(SmolLM2 + LoRA: 7.4 GB RSS after the 4th pool thread vs 4.2 GB on one thread).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,13 +77,20 @@ async def train(cfg: LearnerConfig, *, stop: asyncio.Event | None = None,
     ``progress`` receives one short line per milestone (ready, step, checkpoint, done).
     """
     say = progress or (lambda line: None)
-    if cfg.workdir:
-        return await _train(cfg, Path(cfg.workdir), stop or asyncio.Event(), say)
-    with tempfile.TemporaryDirectory(prefix="boltstream-learn-") as tmp:
-        return await _train(cfg, Path(tmp), stop or asyncio.Event(), say)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-model") as model_thread:
+        loop = asyncio.get_running_loop()
+
+        async def on_model_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return await loop.run_in_executor(model_thread, functools.partial(fn, *args, **kwargs))
+
+        if cfg.workdir:
+            return await _train(cfg, Path(cfg.workdir), stop or asyncio.Event(), say, on_model_thread)
+        with tempfile.TemporaryDirectory(prefix="boltstream-learn-") as tmp:
+            return await _train(cfg, Path(tmp), stop or asyncio.Event(), say, on_model_thread)
 
 
-async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Callable[[str], None]) -> RunResult:
+async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Callable[[str], None],
+                 on_model_thread: Callable[..., Any]) -> RunResult:
     settings = cfg.settings
     logger.info("learner config: %s", cfg.to_dict())
     await wait_for_broker(settings, timeout=30.0)  # fail before minutes of model loading, not after
@@ -91,7 +103,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     backend, world_size = _backend(cfg)
     resumed = await asyncio.to_thread(fetch_resume, s3, cfg, workdir, backend=backend, world_size=world_size)
     try:
-        trainer = await asyncio.to_thread(make_trainer, cfg, resumed.weights_dir, resumed.state_dir)
+        trainer = await on_model_thread(make_trainer, cfg, resumed.weights_dir, resumed.state_dir)
     finally:
         resumed.cleanup()
     state = resumed.state
@@ -125,7 +137,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
             snapshot = LearnerState(step=step, version=version, offsets=tracker.positions(),
                                     used_above=tracker.used_above(), seen=assembler.seen.to_list(),
                                     dropped=dict(assembler.dropped), samples_trained=samples_trained)
-            event = await asyncio.to_thread(publish, s3, cfg, trainer, snapshot, source.topic, workdir)
+            event = await on_model_thread(publish, s3, cfg, trainer, snapshot, source.topic, workdir)
             await announce_checkpoint(producer, codec, settings.topic("checkpoints"), event)
             deleted = await asyncio.to_thread(prune, s3, cfg)
             result.events.append(event)
@@ -149,7 +161,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
                 continue
 
             # 3b. one optimizer step; aiokafka fetches ahead meanwhile
-            metrics = await asyncio.to_thread(trainer.step, inp.samples)
+            metrics = await on_model_thread(trainer.step, inp.samples)
             assembler.commit(inp)
             step, version, samples_trained = step + 1, version + 1, samples_trained + len(inp.samples)
 
