@@ -134,7 +134,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             def learner_done() -> bool:
                 rows = _steps(metrics_path)
                 if display is not None:
-                    display.update(rows=rows, version=worker_version(port), procs=procs)
+                    display.update(rows=rows, version=worker_version(port), procs=procs, worker_port=port,
+                                   group_size=cfg.group_size)
                 return bool(rows) and rows[-1]["step"] >= cfg.steps
 
             with contextlib.suppress(Exception):
