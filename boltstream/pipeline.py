@@ -50,6 +50,9 @@ class PipelineConfig:
     eval_samples: int = 2
     eval_tasks: int | None = None
     lr: float = 2e-4
+    # KL penalty to the base model (with LoRA the base is the reference, no second copy): holds skills
+    # whose groups are all-correct (zero advantage) in place while other groups move the policy.
+    kl_coef: float = 0.0
     # The agent's sampling temperature: the learner must score tokens under the same
     # distribution the worker sampled from (log_softmax(logits / T)), or the PPO
     # ratio is off even on-policy.

@@ -1,0 +1,68 @@
+"""The demo's small helpers: the worker counter read for the live table, SIGTERM handling."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from boltstream.demo import worker_counter
+from boltstream.train import stop_on_sigterm
+
+METRICS = b"""# HELP boltstream_inference_spans_total LLM spans written
+# TYPE boltstream_inference_spans_total counter
+boltstream_inference_spans_total 42.0
+boltstream_inference_spans_created 1.7e+09
+boltstream_inference_requests_total{endpoint="chat",status="200"} 40.0
+boltstream_inference_requests_total{endpoint="completions",status="200"} 2.0
+"""
+
+
+@pytest.fixture
+def metrics_port() -> Iterator[int]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(METRICS)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_worker_counter_reads_one_counter_and_sums_its_labels(metrics_port: int) -> None:
+    assert worker_counter(metrics_port, "boltstream_inference_spans_total") == 42.0
+    assert worker_counter(metrics_port, "boltstream_inference_requests_total") == 42.0
+
+
+def test_worker_counter_is_zero_when_the_worker_is_gone(metrics_port: int) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert worker_counter(closed, "boltstream_inference_spans_total") == 0.0
+
+
+def test_sigterm_ends_a_run_like_ctrl_c() -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler at its next bytecode
+    finally:
+        signal.signal(signal.SIGTERM, previous)
