@@ -25,7 +25,7 @@ boltstream_inference_requests_total{endpoint="completions",status="200"} 2.0
 @pytest.fixture
 def metrics_port() -> Iterator[int]:
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             self.send_response(200)
             self.end_headers()
             self.wfile.write(METRICS)
