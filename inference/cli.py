@@ -148,6 +148,12 @@ def main(argv: list[str]) -> int:
     logging.getLogger().setLevel(cfg.log_level.upper())
     import uvicorn
 
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="boltstream-serve-"))
+
+    def remove_workdir() -> None:
+        if not cfg.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
     class _Server(uvicorn.Server):
         """Announces readiness on stdout once the socket is bound and the app has started."""
 
@@ -159,13 +165,19 @@ def main(argv: list[str]) -> int:
                                  f"backend {cfg.backend})\n")
                 sys.stdout.flush()
 
-    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="boltstream-serve-"))
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn re-raises a caught SIGTERM/SIGINT once serve() is done, which ends the process
+            # before any `finally` after it: downloaded checkpoints are removed here, while it can.
+            try:
+                await super().shutdown(sockets)
+            finally:
+                remove_workdir()
+
     try:
         app = build_app(cfg, workdir)
         server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
                                         lifespan="on", access_log=False))
         asyncio.run(server.serve())
     finally:
-        if not cfg.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        remove_workdir()
     return 0 if server.started else 1

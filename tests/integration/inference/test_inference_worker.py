@@ -122,3 +122,19 @@ def test_checkpoint_reload_and_corrupt_checkpoint_refused(settings, start_worker
         health = http.get("/health", params={"min_version": 2, "timeout": 60}).json()
         assert health["policy_version"] == 2 and health["reload_failures"] == 1, health
         assert _ask(http)["choices"][0]["token_ids"] == v2["choices"][0]["token_ids"]
+
+
+def test_sigterm_removes_the_downloaded_checkpoints(settings_env: dict[str, str], tmp_path: Path) -> None:
+    """uvicorn re-raises SIGTERM after its shutdown; the worker's scratch folder must be gone by then."""
+    from boltstream.inference.launch import WorkerProcess
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"],
+                           env={**settings_env, "TMPDIR": str(scratch)}, log_path=tmp_path / "worker.log")
+    try:
+        worker.start(120)
+        assert len(list(scratch.glob("boltstream-serve-*"))) == 1
+    finally:
+        worker.stop(timeout=20)
+    assert list(scratch.glob("boltstream-serve-*")) == []
