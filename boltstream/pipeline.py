@@ -39,8 +39,8 @@ class PipelineConfig:
     out: Path
     model: str = "smollm2"
     lora: bool = True
-    # Every linear layer of the decoder: on the calculator demo this learned several times faster
-    # than attention-only adapters (q/k/v/o) at the same step count (docs/learner.md).
+    # Every linear layer of the decoder (attention and MLP), as in the reference loop: with it at
+    # lr 1e-3 a bare loop lifted the calculator's held-out accuracy 0.25 -> 0.66 in 8 steps (docs/learner.md).
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     group_size: int = 4
     groups_per_step: int = 4
