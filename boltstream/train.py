@@ -141,12 +141,15 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
 
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
+            procs.stop("runner")
+            procs.stop("tasks")
+            # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
+            # training on groups already in flight and the worker reloaded mid-evaluation.
+            procs.stop("learner", timeout=300)
             rows = _steps(metrics_path)
             summary["train_s"] = round(time.monotonic() - train_started, 1)
             final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
             summary["learner_steps"] = len(rows)
-            procs.stop("runner")
-            procs.stop("tasks")
             if final_version:
                 wait_until(lambda: (worker_version(port) or 0) >= final_version, 120,
                            f"the worker to load policy version {final_version}", procs)
