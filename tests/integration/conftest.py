@@ -61,6 +61,15 @@ async def read_records(settings: Settings, short: str, expect: str, *, count: in
     return out
 
 
+async def read_keyed(settings: Settings, short: str, expect: str, count: int,
+                     timeout: float = 30.0) -> list[tuple[bytes | None, dict[str, Any]]]:
+    """(key, value) of the first ``count`` records of a topic; fails if fewer arrive in ``timeout``."""
+    out = [(key, value) for _, key, value in await read_records(settings, short, expect, count=count,
+                                                                timeout=timeout)]
+    assert len(out) >= count, f"only {len(out)} of {count} records on {settings.topic(short)}"
+    return out
+
+
 def read_topic(settings: Settings, short: str, expect: str, **kw: Any) -> list[Record]:
     """:func:`read_records` for synchronous tests."""
     return run_sync(read_records(settings, short, expect, **kw))

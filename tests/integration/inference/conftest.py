@@ -14,7 +14,7 @@ from boltstream.config import Settings
 from boltstream.inference.launch import WorkerProcess
 from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
-from tests.integration.conftest import read_records
+from tests.integration.conftest import read_keyed
 
 START_TIMEOUT = 90.0
 
@@ -40,10 +40,7 @@ def start_worker(settings_env: dict[str, str], tmp_path: Path) -> Iterator[Calla
 
 async def read_spans(settings: Settings, expected: int, timeout: float = 30.0) -> list[tuple[bytes, dict[str, Any]]]:
     """(key, Span) for the first ``expected`` records of the spans topic, all partitions, with a deadline."""
-    out = [(key, span) for _, key, span in await read_records(settings, "spans", "Span", count=expected,
-                                                               timeout=timeout)]
-    assert len(out) >= expected, f"only {len(out)} of {expected} spans arrived"
-    return out
+    return await read_keyed(settings, "spans", "Span", expected, timeout)
 
 
 async def announce(settings: Settings, event: dict[str, Any]) -> None:

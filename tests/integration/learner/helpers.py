@@ -20,7 +20,7 @@ from boltstream.config import Settings
 from boltstream.kafka import producer_kwargs
 from boltstream.learner.tiny import random_samples
 from boltstream.schemas import Codec
-from tests.integration.conftest import boltstream_argv, read_records
+from tests.integration.conftest import boltstream_argv, read_keyed
 
 TOKENS = 256  # the tiny model's byte vocabulary (259 with its special tokens)
 
@@ -60,10 +60,7 @@ async def produce(settings: Settings, records: Iterable[dict], partition: int | 
 async def read_topic(settings: Settings, short: str, expected: int, record: str,
                      timeout: float = 20.0) -> list[tuple[bytes | None, dict[str, Any]]]:
     """(key, value) of the first ``expected`` records of a topic, all partitions, within ``timeout``."""
-    out = [(key, value) for _, key, value in await read_records(settings, short, record, count=expected,
-                                                                timeout=timeout)]
-    assert len(out) >= expected, f"only {len(out)} of {expected} records on {settings.topic(short)}"
-    return out
+    return await read_keyed(settings, short, record, expected, timeout)
 
 
 class Learner:
