@@ -13,9 +13,9 @@ agent code (examples/calc/agent.py), the same number of samples per task.
 The bare loop has no broker, no stream app, no checkpoints and no server: it
 plays the calculator agent's turns itself (the agent's prompts, regexes,
 calculator and reward), one batched ``model.generate`` per turn for a whole
-group; AIR +0.1 per calculator call that evaluated (what
+group; AIR +0.1 once per rollout for a calculator call that evaluated (what
 examples/calc/air.yaml gives the pipeline); every call of a rollout gets the
-rollout's group-normalised advantage; the update is the learner's own
+rollout's return minus its group's mean (no std division, as the demo); the update is the learner's own
 ``train_step`` (so the comparison measures the system around it, not a
 different loss).
 
@@ -135,14 +135,15 @@ def bare_evaluate(model: Any, tokenizer: Any, tasks: list[dict[str, Any]], sampl
     return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples}
 
 
-def grpo_samples(group: list[dict[str, Any]], eps: float = 1e-6) -> list[dict[str, Any]]:
-    """Every call of a rollout gets the rollout's group-normalised return (final reward + AIR)."""
-    returns = [a["reward"] + AIR_CALC * a["calc_ok"] for a in group]
+def grpo_samples(group: list[dict[str, Any]], std_normalize: bool = False, eps: float = 1e-6) -> list[dict[str, Any]]:
+    """Every call of a rollout gets its return (final reward + AIR) minus the group's mean (Dr. GRPO,
+    as the demo), divided by the group's std when ``std_normalize``."""
+    returns = [a["reward"] + AIR_CALC * min(a["calc_ok"], 1) for a in group]  # once per rollout, as air.yaml
     mean = sum(returns) / len(returns)
     std = (sum((x - mean) ** 2 for x in returns) / len(returns)) ** 0.5
     samples = []
     for ret, attempt in zip(returns, group, strict=True):
-        adv = (ret - mean) / (std + eps)
+        adv = (ret - mean) / (std + eps) if std_normalize else ret - mean
         for prompt, response in attempt["calls"]:
             if not response:
                 continue
@@ -190,7 +191,7 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
         groups_per_step=args.groups_per_step, steps=args.steps, time_budget_s=args.pipeline_budget,
-        eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature, call_credit="episode",
+        eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature, call_credit="episode", std_normalize=False,
         tasks_per_version=args.groups_per_step,
         air_rules=ROOT / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),

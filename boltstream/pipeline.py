@@ -62,6 +62,9 @@ class PipelineConfig:
     # "return": a call's advantage from its own return G_t; "episode": every call of a rollout
     # shares the rollout's advantage (steadier when intermediate rewards are small; streams/credit.py).
     call_credit: str = "return"
+    # False: advantage = return - group mean (Dr. GRPO). Dividing by the group's std blows a
+    # group whose returns differ only by an intermediate reward up to the size of a right/wrong split.
+    std_normalize: bool = True
     # Runner pacing: at most this many tasks per served policy version (None: run ahead freely).
     # groups_per_step keeps every step on-policy and spends no CPU on rollouts the learner would drop.
     tasks_per_version: int | None = None

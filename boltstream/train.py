@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
     a("--call-credit", choices=("return", "episode"), default=None,
       help="a call's advantage from its own return (default) or its rollout's episode return")
+    a("--std-normalize", action=argparse.BooleanOptionalAction, default=None,
+      help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
     a("--tasks-per-version", type=int, default=None,
       help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
@@ -110,6 +112,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
 
             train_started = time.monotonic()
             stream = ["stream", "worker", "--group-size", str(cfg.group_size), "--call-credit", cfg.call_credit]
+            if not cfg.std_normalize:
+                stream.append("--no-std-normalize")
             if cfg.agent_match:
                 stream += ["--agent-match", cfg.agent_match]
             if cfg.air_rules:
@@ -228,7 +232,7 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
         "eval_tasks": args.eval_tasks, "lr": args.lr, "kl_coef": args.kl_coef, "temperature": args.temperature, "agent_match": args.agent_match,
         "air_rules": args.air_rules, "seed": args.seed,
-        "call_credit": args.call_credit, "tasks_per_version": args.tasks_per_version,
+        "call_credit": args.call_credit, "std_normalize": args.std_normalize, "tasks_per_version": args.tasks_per_version,
     }
     kwargs = {k: v for k, v in given.items() if v is not None}
     if args.full:

@@ -34,7 +34,8 @@ tool_error         ``tool_error``         -0.1     tool span with status ``ERROR
 
 Rule semantics: ``stop`` - once this rule fired on a span, later rules are not
 evaluated for that span (an invalid-args failure is not also a tool error);
-``once_per_call`` - at most one reward of this rule per LLM call; a rule never
+``once_per_call`` - at most one reward of this rule per LLM call; ``once_per_rollout`` -
+at most one per rollout (a bonus the policy cannot farm by repeating the action); a rule never
 fires on a span whose ancestor it already fired on (one timeout, not one per
 nested HTTP span). The rollout root span is never matched; reward spans are only
 matched by ``reward_span``.
@@ -89,6 +90,7 @@ class AirRule:
     span_name: str | None = None
     stop: bool = False
     once_per_call: bool = False
+    once_per_rollout: bool = False
     enabled: bool = True
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
     _matcher: Matcher | None = field(default=None, init=False, repr=False, compare=False)
@@ -156,7 +158,7 @@ DEFAULT_AIR_RULES: tuple[AirRule, ...] = (
     AirRule(name="tool_error", when="tool_error", value=-0.1),
 )
 
-_RULE_KEYS = {"name", "when", "value", "span_name", "stop", "once_per_call", "enabled"}
+_RULE_KEYS = {"name", "when", "value", "span_name", "stop", "once_per_call", "once_per_rollout", "enabled"}
 
 
 def _resolve_callable(path: str) -> Matcher:
@@ -264,6 +266,7 @@ def evaluate_air(
     ordered = sorted(spans, key=lambda s: (s.get("start_time_ns", 0), -s.get("end_time_ns", 0), s.get("span_id")))
     fired: dict[str, set[str]] = {}  # rule name -> span ids it fired on
     per_call_seen: set[tuple[str, str]] = set()
+    per_rollout_seen: set[str] = set()  # names of once_per_rollout rules that gave their reward
     call_ids = {call.span_id for call in calls}
     for span in ordered:
         if is_rollout_root(span):
@@ -292,8 +295,11 @@ def evaluate_air(
                 result.unattached.append(reward)
             elif rule.once_per_call and (rule.name, target.span_id) in per_call_seen:
                 logger.debug("AIR %s already rewarded call %s; span %s skipped", rule.name, target.span_id, span_id)
+            elif rule.once_per_rollout and rule.name in per_rollout_seen:
+                logger.debug("AIR %s already rewarded this rollout; span %s skipped", rule.name, span_id)
             else:
                 per_call_seen.add((rule.name, target.span_id))
+                per_rollout_seen.add(rule.name)
                 result.rewards_by_call.setdefault(target.span_id, []).append(reward)
             if rule.stop:
                 break

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--gamma", type=float, help="discount over a rollout's calls (default 1.0)")
     w.add_argument("--call-credit", choices=("return", "episode"),
                    help="a call's advantage from its own return G_t (default) or the rollout's episode return")
+    w.add_argument("--no-std-normalize", dest="std_normalize", action="store_false", default=None,
+                   help="advantage = G - group mean, not divided by the group's std (Dr. GRPO)")
     w.add_argument("--loss-weight", choices=("none", "inverse_calls"), help="per-sample loss weight")
     w.add_argument("--trajectory-mode", action="store_true", default=None, help="merge calls that extend a prompt")
     w.add_argument("--store", help="faust table store URL (default memory://)")

@@ -20,6 +20,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
         agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
         out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=2, steps=2,
         time_budget_s=400, runner_workers=4, eval_samples=1, temperature=1.0, tasks_per_version=2,
+        std_normalize=False,
         air_rules=REPO / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", "1.0")),
     )
@@ -35,6 +36,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     # adapters on every linear layer (PipelineConfig.lora_targets), MLP included, reached the learner
     learner_config = (cfg.out / "logs" / "learner.log").read_text().split("learner config:")[1].splitlines()[0]
     assert "'gate_proj', 'up_proj', 'down_proj'" in learner_config
+    assert "std_normalize=False" in (cfg.out / "logs" / "stream.log").read_text()
     assert abs(summary["improvement"] - (summary["after"]["score"] - summary["before"]["score"])) < 1e-9
     assert summary["improvement_se"] >= 0
     assert (cfg.out / "curve.png").stat().st_size > 0

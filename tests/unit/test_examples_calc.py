@@ -68,3 +68,13 @@ def test_air_rewards_a_calculator_call_that_evaluates(tool_spans: Any) -> None:
 
 def test_air_takes_the_bonus_back_when_the_expression_fails(tool_spans: Any) -> None:
     assert _air_names(tool_spans, "4 *") == ["calculator_used=+0.1", "tool_error=-0.1"]
+
+
+def test_air_pays_the_calculator_bonus_once_per_rollout(tool_spans: Any) -> None:
+    # paid per call, a demo run learned to write CALC three times and never answer (3 x 0.1 > a wrong answer)
+    agent.calculator("4 * 9")
+    agent.calculator("36 + 1")
+    first, second = sorted((normalise_span(s) for s in tool_spans.get_finished_spans()), key=lambda s: s["start_time_ns"])
+    calls = [CallRef("a" * 16, first["start_time_ns"] - 1), CallRef("b" * 16, second["start_time_ns"] - 1)]
+    rewards = evaluate_air([first, second], calls, air_rules_from_yaml(AIR_FILE.read_text())).rewards_by_call
+    assert rewards == {"a" * 16: [{"name": "calculator_used", "value": 0.1, "source": f"calculator_used:{first['span_id']}"}]}

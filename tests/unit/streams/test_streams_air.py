@@ -151,6 +151,16 @@ def test_python_callable_rules_and_span_name_filter() -> None:
     }
 
 
+def test_once_per_rollout_rewards_only_the_first_match() -> None:
+    bonus = AirRule(name="used", when="span", span_name=r"^execute_tool calc$", value=0.1, once_per_rollout=True)
+    spans = [tool_span("t1", start=250, end=300), tool_span("t2", start=600, end=650)]  # after c1, after c2
+    assert _rewards(spans, rules=(bonus,)).rewards_by_call == {"c1": [{"name": "used", "value": 0.1, "source": "used:t1"}]}
+    every = AirRule(name="used", when="span", span_name=r"^execute_tool calc$", value=0.1)
+    assert set(_rewards(spans, rules=(every,)).rewards_by_call) == {"c1", "c2"}
+    yaml_rule = air_rules_from_yaml("- {name: used, when: span, value: 0.1, once_per_rollout: true}")[0]
+    assert yaml_rule.once_per_rollout
+
+
 def test_disabled_rule_and_empty_rules() -> None:
     rule = AirRule(name="tool_error", when="tool_error", value=-1.0, enabled=False)
     assert _rewards([tool_span("t", start=250, end=300, error=True)], rules=(rule,)).rewards_by_call == {}
