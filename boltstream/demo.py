@@ -109,6 +109,9 @@ def main(argv: list[str]) -> int:
     # gave a 1-of-4 group (and one that differed only by AIR) the weight of a 2-of-4 split. Paired bare
     # loops, same seed: 0.20 -> 0.17 with it, 0.20 -> 0.44 without (12 steps, docs/learner.md).
     kwargs.setdefault("std_normalize", False)
+    # Adam's first update moves every adapter weight by ~lr whatever the gradient: at a full 1e-3 one
+    # step on 16 rollouts broke the CALC format of a seed-0 run (training reward 0.53 -> 0.00).
+    kwargs.setdefault("lr_warmup_steps", 3)
     for key, value in (("steps", 8), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
                        ("eval_samples", 2), ("time_budget_s", 840.0), ("lr", 1e-3)):
         kwargs.setdefault(key, value)

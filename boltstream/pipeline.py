@@ -50,6 +50,7 @@ class PipelineConfig:
     eval_samples: int = 2
     eval_tasks: int | None = None
     lr: float = 2e-4
+    lr_warmup_steps: int = 0  # linear ramp to lr over the first N learner steps
     # KL penalty to the base model (with LoRA the base is the reference, no second copy): holds skills
     # whose groups are all-correct (zero advantage) in place while other groups move the policy.
     kl_coef: float = 0.0

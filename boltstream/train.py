@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--lr", type=float, default=None)
+    a("--lr-warmup-steps", type=int, default=None, help="ramp the lr up linearly over the first N steps")
     a("--kl-coef", type=float, default=None, help="KL penalty to the base model (default 0)")
     a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
     a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
@@ -121,8 +122,9 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             procs.start("stream", *stream)
             learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
                      "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
-                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--kl-coef", str(cfg.kl_coef), "--temperature", str(cfg.temperature), "--metrics-path", str(metrics_path),
-                     "--seed", str(cfg.seed),
+                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--lr-warmup-steps", str(cfg.lr_warmup_steps),
+                     "--kl-coef", str(cfg.kl_coef), "--temperature", str(cfg.temperature),
+                     "--metrics-path", str(metrics_path), "--seed", str(cfg.seed),
                      *(["--lora", "--lora-targets", ",".join(cfg.lora_targets)] if cfg.lora else ["--no-lora"])]
             procs.start("learner", *learn)
             procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
@@ -230,7 +232,8 @@ def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
         "out": args.out or default_out, "model": args.model, "steps": args.steps,
         "time_budget_s": args.time_budget, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
-        "eval_tasks": args.eval_tasks, "lr": args.lr, "kl_coef": args.kl_coef, "temperature": args.temperature, "agent_match": args.agent_match,
+        "eval_tasks": args.eval_tasks, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
+        "kl_coef": args.kl_coef, "temperature": args.temperature, "agent_match": args.agent_match,
         "air_rules": args.air_rules, "seed": args.seed,
         "call_credit": args.call_credit, "std_normalize": args.std_normalize, "tasks_per_version": args.tasks_per_version,
     }

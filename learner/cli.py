@@ -33,6 +33,7 @@ HELP = {
     "model_name": "model name in checkpoint events (default: derived from --model, as `serve` does)",
     "lora": "train LoRA adapters (peft) instead of all weights",
     "lora_targets": "comma-separated module names for LoRA (default q_proj,k_proj,v_proj,o_proj)",
+    "lr_warmup_steps": "ramp the lr linearly from lr/N to lr over the first N steps (default 0: none)",
     "groups_per_step": "K: complete GRPO groups per optimizer step (default 4)",
     "max_staleness": "drop samples more than this many policy versions old (default 4; none = keep all)",
     "checkpoint_every": "publish a checkpoint every N steps (default 10)",

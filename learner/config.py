@@ -52,6 +52,7 @@ class LearnerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    lr_warmup_steps: int = 0  # linear ramp to lr over the first N steps (learner.step.warmup_lr)
     # --- what one step is made of
     groups_per_step: int = 4  # K complete GRPO groups (TrainingBatch records) per optimizer step
     max_staleness: int | None = 4  # drop samples more than this many policy versions old; None = keep all
@@ -103,6 +104,8 @@ class LearnerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
         if self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be > 0")
         if self.max_staleness is not None and self.max_staleness < 0:

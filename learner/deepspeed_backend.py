@@ -36,7 +36,7 @@ from boltstream.errors import BoltstreamError
 
 from .collate import split_by_token_budget
 from .config import LearnerConfig
-from .step import StepMetrics, accumulate_gradients
+from .step import StepMetrics, accumulate_gradients, set_lr
 from .trainer import (
     RNG_FILE,
     adamw,
@@ -180,9 +180,9 @@ class DeepSpeedTrainer:
         if self.rank == 0 and self.world_size > 1:
             dist.broadcast_object_list([name, payload], src=0)
 
-    def step(self, samples: list[dict[str, Any]]) -> StepMetrics:
-        self._command("step", samples)
-        return self._step(samples)
+    def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
+        self._command("step", (samples, lr))
+        return self._step(samples, lr)
 
     def save_weights(self, directory: Path) -> None:
         save_hf_weights(self.model, self.tokenizer, directory)  # rank 0 only: every rank holds all weights
@@ -199,8 +199,10 @@ class DeepSpeedTrainer:
 
     # ------------------------------------------------------------------ every rank
 
-    def _step(self, samples: list[dict[str, Any]]) -> StepMetrics:
+    def _step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
         t0 = time.perf_counter()
+        if lr is not None:
+            set_lr(self.engine.optimizer, lr)
         self.engine.train()
         ordered = sorted(samples, key=lambda s: -len(s["token_ids"]))
         mine = ordered[self.rank :: self.world_size]
@@ -246,7 +248,7 @@ class DeepSpeedTrainer:
             dist.broadcast_object_list(message, src=0)
             name, payload = message
             if name == "step":
-                self._step(payload)
+                self._step(*payload)
             elif name == "save_state":
                 self._save_state(Path(payload))
             elif name == "stop":

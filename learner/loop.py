@@ -44,6 +44,7 @@ from .consumer import GroupAssembler, OffsetTracker
 from .metrics import MetricsSink, step_record
 from .resume import LearnerState, fetch_resume, prune, publish
 from .source import BatchSource
+from .step import warmup_lr
 from .trainer import Trainer, make_trainer, vocab_size
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
                 continue
 
             # 3b. one optimizer step; aiokafka fetches ahead meanwhile
-            metrics = await on_model_thread(trainer.step, inp.samples)
+            lr = warmup_lr(cfg.lr, step + 1, cfg.lr_warmup_steps)
+            metrics = await on_model_thread(trainer.step, inp.samples, lr)
             assembler.commit(inp)
             step, version, samples_trained = step + 1, version + 1, samples_trained + len(inp.samples)
 
@@ -169,6 +171,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
             now = time.perf_counter()
             record = step_record(step, version, metrics, inp, wall_seconds=now - last_step_at,
                                  dropped_total=assembler.dropped)
+            record["lr"] = lr
             last_step_at = now
             sink.step(record)
             say(f"step {step} version {version}")

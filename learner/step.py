@@ -247,6 +247,25 @@ def accumulate_gradients(
     )
 
 
+def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
+    """Learning rate of the 1-based ``step``: a linear ramp to ``base_lr`` over ``warmup_steps``.
+
+    Why: Adam's first updates move every parameter by about the full lr whatever
+    the gradient's size (its second-moment estimate has no history yet), so a
+    first step on 16 noisy rollouts at lr 1e-3 is a sign-SGD step in every
+    direction at once. The step number (not a scheduler's state) drives it, so a
+    resumed learner continues the ramp exactly.
+    """
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return base_lr
+    return base_lr * max(step, 1) / warmup_steps
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

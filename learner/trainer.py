@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from .config import LearnerConfig
-from .step import StepConfig, StepMetrics, train_step
+from .step import StepConfig, StepMetrics, set_lr, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Trainer(Protocol):
     model: torch.nn.Module  # the unwrapped (peft or HF) model
     tokenizer: Any
 
-    def step(self, samples: list[dict[str, Any]]) -> StepMetrics: ...
+    def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics: ...
     def save_weights(self, directory: Path) -> None: ...
     def save_state(self, directory: Path) -> None: ...
     def close(self) -> None: ...
@@ -166,7 +166,9 @@ class TorchTrainer:
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
         self.step_cfg: StepConfig = cfg.step_config(pad_token_id(tokenizer))
 
-    def step(self, samples: list[dict[str, Any]]) -> StepMetrics:
+    def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
+        if lr is not None:
+            set_lr(self.optimizer, lr)
         return train_step(self.model, self.optimizer, samples, self.step_cfg, ref_model=self.ref_model)
 
     def save_weights(self, directory: Path) -> None:

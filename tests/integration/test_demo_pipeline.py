@@ -20,7 +20,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
         agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
         out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=2, steps=2,
         time_budget_s=400, runner_workers=4, eval_samples=1, temperature=1.0, tasks_per_version=2,
-        std_normalize=False,
+        std_normalize=False, lr_warmup_steps=2,
         air_rules=REPO / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", "1.0")),
     )
@@ -29,6 +29,7 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     steps = [r for r in read_jsonl(cfg.out / "metrics.jsonl") if r.get("event") == "step"]
     assert [r["step"] for r in steps][:2] == [1, 2]
     assert all(r["samples"] > 0 for r in steps)
+    assert steps[0]["lr"] * 2 == steps[1]["lr"] == cfg.lr  # --lr-warmup-steps 2 reached the learner
     # paced runner: 2 tasks per policy version, so each step trained on the version just served
     assert all(set(r["staleness"]) == {"0"} for r in steps)
     # the worker reloaded the learner's checkpoints: the served policy version moved on

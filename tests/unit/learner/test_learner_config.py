@@ -27,7 +27,8 @@ def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(t
 
 
 @pytest.mark.parametrize(("field", "value"), [("groups_per_step", 0), ("zero_stage", 3), ("loss_agg", "sum"),
-                                              ("max_staleness", -1), ("lr", 0.0), ("metrics_port", 70000)])
+                                              ("max_staleness", -1), ("lr", 0.0), ("metrics_port", 70000),
+                                              ("lr_warmup_steps", -1)])
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         LearnerConfig(**{field: value})
@@ -42,6 +43,14 @@ def test_every_field_is_a_flag_and_flags_reach_the_config(tmp_path: Path) -> Non
     assert cfg.settings.namespace == "cli." and cfg.kind == "lora"
     with pytest.raises(ConfigError, match="lora_r"):
         load_config({"lora_r": "eight"}, env={})
+
+
+def test_step_with_an_lr_sets_it_and_a_step_without_keeps_it() -> None:
+    trainer = TorchTrainer(LearnerConfig(model="tiny", lora=True, lr=1e-2))
+    trainer.step(random_samples(4, 200, seed=1), lr=2.5e-3)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [2.5e-3]
+    trainer.step(random_samples(4, 200, seed=2))
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [2.5e-3]
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -15,6 +15,7 @@ from boltstream.learner.step import (
     accumulate_gradients,
     evaluate_loss,
     train_step,
+    warmup_lr,
     with_model_logprobs,
 )
 from boltstream.learner.tiny import random_samples, tiny_llama
@@ -199,3 +200,9 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         grads.append(_grads(model))
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-7), name
+
+
+@pytest.mark.parametrize(("step", "warmup", "lr"), [(1, 3, 1e-3 / 3), (2, 3, 2e-3 / 3), (3, 3, 1e-3), (9, 3, 1e-3),
+                                                    (1, 0, 1e-3), (1, 1, 1e-3), (0, 4, 2.5e-4)])
+def test_warmup_lr_ramps_linearly_then_holds(step: int, warmup: int, lr: float) -> None:
+    assert warmup_lr(1e-3, step, warmup) == pytest.approx(lr)
