@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from boltstream.learner.config import LearnerConfig  # noqa: E402
-from boltstream.learner.step import StepConfig, train_step, with_model_logprobs  # noqa: E402
+from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs  # noqa: E402
 from boltstream.learner.trainer import adamw, build_model, pad_token_id  # noqa: E402
 from boltstream.models import stop_token_ids  # noqa: E402
 from boltstream.pipeline import PipelineConfig, mean_and_se  # noqa: E402
@@ -173,6 +173,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
         t1 = time.perf_counter()
         if samples:
             samples = with_model_logprobs(model, samples, step_cfg)  # on-policy: behaviour == current
+            set_lr(optimizer, warmup_lr(args.lr, step, args.lr_warmup_steps))
             train_step(model, optimizer, samples, step_cfg)
         rewards.append(sum(step_rewards) / len(step_rewards))
         print(f"bare step {step}: reward {rewards[-1]:.3f}, rollouts {t1 - t0:.0f}s, update "
@@ -191,7 +192,8 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
         groups_per_step=args.groups_per_step, steps=args.steps, time_budget_s=args.pipeline_budget,
-        eval_samples=args.eval_samples, lr=args.lr, temperature=args.temperature, call_credit="episode", std_normalize=False,
+        eval_samples=args.eval_samples, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, temperature=args.temperature,
+        call_credit="episode", std_normalize=False,
         tasks_per_version=args.groups_per_step,
         air_rules=ROOT / "examples" / "calc" / "air.yaml",
         extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),
@@ -210,6 +212,7 @@ def main() -> int:
     p.add_argument("--eval-tasks", type=int, default=32)
     p.add_argument("--eval-samples", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-warmup-steps", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pipeline-budget", type=float, default=1800.0, help="time budget of the pipeline run (s)")
