@@ -24,14 +24,18 @@ wall time (from the first rollout to the last update, evaluation excluded)
 for each side, and ``ratio = pipeline_train_s / bare_train_s`` (goal <= 1.3
 at a comparable after-score). JSON goes to benchmarks/results/vs_bare.json.
 
-Measured at 12 steps x 4 groups x 4, lr 1e-3, LoRA on every linear layer, eval
-32 x 2, seed 0, 2 shared cores: bare 43-67 s a step (rollouts 15-25 s, update
-28-46 s), before 0.203 +- 0.063 -> after 0.172 +- 0.066 (training reward 1.00
-at step 8, then 0.75, 0.75, 0.31, 0.12), train 564 s; pipeline before 0.266 +-
-0.074 -> after 0.000 +- 0.000, train 663 s: ratio 1.18x on time, but both runs
-collapsed late, so "a comparable after-score" says nothing. The bare loop is
-deterministic for a seed (two runs gave identical rewards). The defaults are
-now the demo's 8 steps; that run is still to be made.
+Measured at the defaults (8 steps x 4 groups x 4, lr 1e-3 after a 3-step warmup, no std division,
+AIR once per rollout, LoRA on every linear layer, eval 32 x 2, seed 0, 2 cores):
+
+    bare loop : before 0.203 +- 0.063  after 0.688 +- 0.070  train 387s
+    pipeline  : before 0.172 +- 0.058  after 0.422 +- 0.078  train 303s (8 learner steps)
+    ratio pipeline/bare train time: 0.78x (goal <= 1.3x at a comparable after-score): missed
+
+The pipeline is faster than the bare loop here but its after-score was lower in this one run; the
+pipeline is not deterministic (rollout timing decides which tasks land in which step), and four demo
+seeds at the same settings ended at 0.67-0.89 (README). Earlier, with std division and a per-call AIR
+bonus, both sides collapsed at 12 steps (bare 0.203 -> 0.172, pipeline 0.266 -> 0.000). The bare loop is
+deterministic for a seed (two runs gave identical rewards).
 """
 
 from __future__ import annotations
