@@ -139,15 +139,13 @@ def bare_evaluate(model: Any, tokenizer: Any, tasks: list[dict[str, Any]], sampl
     return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples}
 
 
-def grpo_samples(group: list[dict[str, Any]], std_normalize: bool = False, eps: float = 1e-6) -> list[dict[str, Any]]:
-    """Every call of a rollout gets its return (final reward + AIR) minus the group's mean (Dr. GRPO,
-    as the demo), divided by the group's std when ``std_normalize``."""
+def grpo_samples(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every call of a rollout gets its return (final reward + AIR) minus the group's mean (Dr. GRPO, as the demo)."""
     returns = [a["reward"] + AIR_CALC * min(a["calc_ok"], 1) for a in group]  # once per rollout, as air.yaml
     mean = sum(returns) / len(returns)
-    std = (sum((x - mean) ** 2 for x in returns) / len(returns)) ** 0.5
     samples = []
     for ret, attempt in zip(returns, group, strict=True):
-        adv = (ret - mean) / (std + eps) if std_normalize else ret - mean
+        adv = ret - mean
         for prompt, response in attempt["calls"]:
             if not response:
                 continue
