@@ -12,8 +12,9 @@ LoRA adapter): median and p95 of the total, of event -> serving, of the
 upload alone and of the worker's own download + verify + load time. One
 untimed warm-up reload per kind comes first (the first LoRA adapter also
 wraps the model in PEFT). Goals on CPU: full <= 3 s, LoRA <= 0.5 s.
-``--publish-dtype bfloat16`` publishes full weights at half the bytes (the
-worker casts them back to its own dtype on load).
+``--publish-dtype bfloat16`` publishes full weights at half the bytes, the
+files the learner writes with ``boltstream learn --publish-dtype bfloat16``
+(the worker casts them back to its own dtype on load).
 JSON goes to benchmarks/results/reload.json.
 """
 
@@ -56,19 +57,18 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def full_checkpoint(model: str, out: Path, dtype: str | None = None) -> Path:
-    """The model's own weights as a full checkpoint: symlinks, or a copy cast to ``dtype`` (half the bytes)."""
+    """The model's own weights as a full checkpoint: symlinks, or written cast to ``dtype`` exactly as the
+    learner writes its serving copy (``boltstream learn --publish-dtype``)."""
     src = model_dir(model)
+    if dtype:
+        from boltstream.learner.trainer import save_weights
+
+        base, tokenizer = load_model(model)
+        save_weights(base, tokenizer, out, dtype)
+        return out
     out.mkdir(parents=True)
     for name in FULL_FILES:
-        if not (src / name).exists():
-            continue
-        if name.endswith(".safetensors") and dtype:
-            import torch
-            from safetensors.torch import load_file, save_file
-
-            cast = {k: v.to(getattr(torch, dtype)) for k, v in load_file(src / name).items()}
-            save_file(cast, out / name, metadata={"format": "pt"})
-        else:
+        if (src / name).exists():
             (out / name).symlink_to(src / name)
     return out
 
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reloads", type=int, default=10)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--kinds", default="full,lora")
-    p.add_argument("--publish-dtype", default=None, help="cast full checkpoints, e.g. bfloat16 (default: as is)")
+    p.add_argument("--publish-dtype", default=None,
+                   help="full checkpoints cast as the learner's --publish-dtype writes them, e.g. bfloat16")
     p.add_argument("--out", default=str(RESULTS / "reload.json"))
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]

@@ -38,6 +38,8 @@ HELP = {
     "max_staleness": "drop samples more than this many policy versions old (default 4; none = keep all)",
     "checkpoint_every": "publish a checkpoint every N steps (default 10)",
     "keep_last": "checkpoint versions kept in S3 (default 3)",
+    "publish_dtype": "full checkpoints: the dtype workers download, e.g. bfloat16 (half the bytes); the "
+                     "exact weights go with the training state",
     "run": "S3 prefix of this run's checkpoints (default <namespace>/<model name>)",
     "max_steps": "stop after this many learner steps in total, resumed ones included",
     "idle_exit_s": "stop when no record arrived for this many seconds",

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "BOLTSTREAM_LEARN_"
 ZERO_STAGES = (0, 1, 2)
+PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,9 @@ class LearnerConfig:
     run: str | None = None  # S3 prefix of this run's versions; default "<namespace>/<model_name>"
     checkpoint_every: int = 10
     keep_last: int = 3
+    # Full checkpoints: the dtype workers download (e.g. bfloat16: half the bytes of fp32, the reload
+    # time's main cost). The exact weights then travel with the training state, so resume stays exact.
+    publish_dtype: str | None = None
     checkpoint_on_exit: bool = True  # on max_steps / SIGTERM, publish the steps since the last one
     resume: bool = True  # start from the run's newest complete checkpoint when there is one
     workdir: str | None = None  # local scratch for checkpoint files (default: a temporary directory)
@@ -121,6 +125,12 @@ class LearnerConfig:
             raise ConfigError("metrics_port", self.metrics_port, "must be 0-65535")
         if self.lora and not self.lora_targets:
             raise ConfigError("lora_targets", self.lora_targets, "LoRA needs at least one target module")
+        if self.publish_dtype is not None:
+            if self.publish_dtype not in PUBLISH_DTYPES:
+                raise ConfigError("publish_dtype", self.publish_dtype, f"one of {', '.join(PUBLISH_DTYPES)}")
+            if self.lora:
+                raise ConfigError("publish_dtype", self.publish_dtype,
+                                  "applies to full checkpoints; LoRA adapters are published as trained")
         if self.run is not None and not self.run.strip("/"):
             raise ConfigError("run", self.run, "must not be empty")
 

@@ -184,8 +184,8 @@ class DeepSpeedTrainer:
         self._command("step", (samples, lr))
         return self._step(samples, lr)
 
-    def save_weights(self, directory: Path) -> None:
-        save_hf_weights(self.model, self.tokenizer, directory)  # rank 0 only: every rank holds all weights
+    def save_weights(self, directory: Path, dtype: str | None = None) -> None:
+        save_hf_weights(self.model, self.tokenizer, directory, dtype)  # rank 0 only: every rank holds all weights
 
     def save_state(self, directory: Path) -> None:
         self._command("save_state", str(directory))

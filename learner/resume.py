@@ -14,6 +14,10 @@ training state without weights is never used. Resume reads the newest weights
 manifest, its training state, and seeks the consumer to the manifest's ``offsets``.
 (A crash between the two manifests leaves an orphan training state at a version
 that is simply published again, overwritten, when training gets there.)
+
+With ``publish_dtype`` (say bfloat16 for an fp32 model) the weights workers download are
+a cast copy, and the exact weights travel in the training state as ``master/``: a resume
+continues from them bit for bit, never from the rounded serving copy.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .trainer import Trainer, state_compatible
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "learner.json"
+MASTER_DIR = "master"  # the exact weights inside a training state, when the served copy is cast
 
 
 @dataclass
@@ -118,8 +123,11 @@ def publish(s3: Any, cfg: LearnerConfig, trainer: Trainer, state: LearnerState, 
     tmp = Path(tempfile.mkdtemp(prefix=f"publish-v{version}-", dir=workdir))
     try:
         weights_dir, state_dir = tmp / "weights", tmp / "state"
-        trainer.save_weights(weights_dir)
+        cast = serving_dtype(cfg, trainer)
+        trainer.save_weights(weights_dir, cast)
         trainer.save_state(state_dir)
+        if cast is not None:
+            trainer.save_weights(state_dir / MASTER_DIR)
         (state_dir / STATE_FILE).write_text(state.to_json())
         state_event = publish_checkpoint(
             s3, bucket, state_run(cfg), version, state_dir, kind=cfg.kind, base_model=cfg.model,
@@ -128,9 +136,19 @@ def publish(s3: Any, cfg: LearnerConfig, trainer: Trainer, state: LearnerState, 
             s3, bucket, cfg.run_name, version, weights_dir, kind=cfg.kind, base_model=cfg.model,
             learner_step=state.step, offsets=offsets, model_name=cfg.name,
             extra={"learner_state": state_event["manifest_uri"], "backend": trainer.backend,
-                   "world_size": trainer.world_size, **(extra or {})})
+                   "world_size": trainer.world_size, **({"cast_to": cast} if cast else {}), **(extra or {})})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def serving_dtype(cfg: LearnerConfig, trainer: Trainer) -> str | None:
+    """The dtype to cast published weights to: ``cfg.publish_dtype`` when the model is in another one."""
+    if cfg.publish_dtype is None or cfg.kind != "full":
+        return None
+    import torch
+
+    trained = next(trainer.model.parameters()).dtype
+    return None if trained == getattr(torch, cfg.publish_dtype) else cfg.publish_dtype
 
 
 def prune(s3: Any, cfg: LearnerConfig) -> list[int]:
@@ -167,10 +185,11 @@ def fetch_resume(s3: Any, cfg: LearnerConfig, workdir: Path, *, backend: str, wo
     resumed = Resumed(LearnerState(step=int(manifest.get("learner_step", version)), version=version),
                       manifest, event, directory=tmp)
     try:
-        resumed.weights_dir = fetch_checkpoint(s3, event["manifest_uri"], tmp / "weights")
         state_uri = (manifest.get("extra") or {}).get("learner_state")
         if state_uri:
             state_dir = fetch_checkpoint(s3, state_uri, tmp / "state")
+            if (state_dir / MASTER_DIR).is_dir():  # the published weights are a cast copy: not these
+                resumed.weights_dir = state_dir / MASTER_DIR
             resumed.state = LearnerState.from_json((state_dir / STATE_FILE).read_text())
             if state_compatible(state_dir, backend, world_size):
                 resumed.state_dir = state_dir
@@ -180,6 +199,8 @@ def fetch_resume(s3: Any, cfg: LearnerConfig, workdir: Path, *, backend: str, wo
         else:
             logger.warning("v%d has no learner state: fresh optimizer, and duplicates of records read before it "
                            "cannot be recognised", version)
+        if resumed.weights_dir is None:
+            resumed.weights_dir = fetch_checkpoint(s3, event["manifest_uri"], tmp / "weights")
         if resumed.state.version != version:
             raise CheckpointError(f"v{version}: its learner state says version {resumed.state.version}")
         resumed.state.offsets = topic_offsets(manifest, cfg.settings.topic("batches"))

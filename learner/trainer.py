@@ -39,7 +39,7 @@ class Trainer(Protocol):
     tokenizer: Any
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics: ...
-    def save_weights(self, directory: Path) -> None: ...
+    def save_weights(self, directory: Path, dtype: str | None = None) -> None: ...
     def save_state(self, directory: Path) -> None: ...
     def close(self) -> None: ...
 
@@ -96,11 +96,42 @@ def adamw(cfg: LearnerConfig, model: torch.nn.Module) -> torch.optim.AdamW:
                              weight_decay=cfg.weight_decay)
 
 
-def save_weights(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors cast to ``dtype``; tensors that shared storage (tied embeddings) still
+    share it, so ``save_pretrained`` recognises them as tied and writes them once."""
+    cast: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, t in state.items():
+        if not t.is_floating_point() or t.dtype == dtype:
+            out[name] = t
+            continue
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key not in cast:
+            cast[key] = t.detach().to(dtype)
+        out[name] = cast[key]
+    return out
+
+
+def save_weights(model: torch.nn.Module, tokenizer: Any, directory: Path, dtype: str | None = None) -> None:
     """HF layout: a peft model writes adapter_config.json + adapter_model.safetensors, a full model
-    config.json + model.safetensors (+ generation config) and the tokenizer files."""
+    config.json + model.safetensors (+ generation config) and the tokenizer files.
+
+    ``dtype`` (full models only) writes the weights cast, e.g. a bfloat16 serving copy of an fp32
+    model: half the bytes to upload and download, which is most of a worker's reload time.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    if hasattr(model, "peft_config") or dtype is None:
+        model.save_pretrained(directory, safe_serialization=True)
+    else:
+        target = getattr(torch, dtype)
+        model.save_pretrained(directory, safe_serialization=True,
+                              state_dict=cast_state_dict(model.state_dict(), target))
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text())
+        for key in ("dtype", "torch_dtype"):  # what a loader asked for dtype="auto" (vLLM's default) builds
+            if key in config or key == "dtype":
+                config[key] = dtype
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
     if not hasattr(model, "peft_config"):
         tokenizer.save_pretrained(directory)
 
@@ -171,8 +202,8 @@ class TorchTrainer:
             set_lr(self.optimizer, lr)
         return train_step(self.model, self.optimizer, samples, self.step_cfg, ref_model=self.ref_model)
 
-    def save_weights(self, directory: Path) -> None:
-        save_weights(self.model, self.tokenizer, directory)
+    def save_weights(self, directory: Path, dtype: str | None = None) -> None:
+        save_weights(self.model, self.tokenizer, directory, dtype)
 
     def save_state(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from boltstream.checkpoints import fetch_checkpoint, latest_manifest, list_versions
 from boltstream.learner.config import LearnerConfig
@@ -108,14 +109,19 @@ async def test_learner_trains_publishes_and_reloads(kind: str, settings, s3_clie
     torch.testing.assert_close(_logits(reloaded, ids), learner_logits, rtol=1e-5, atol=1e-5)
 
 
-async def test_restart_resumes_weights_optimizer_and_offsets(settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("publish_dtype", [None, "bfloat16"])
+async def test_restart_resumes_weights_optimizer_and_offsets(publish_dtype, settings, s3_client,
+                                                             tmp_path: Path) -> None:
     first, expected, _ = _data()
     await produce(settings, first, partition=0)
-    cfg = _config(settings, tmp_path, max_steps=3)
+    cfg = _config(settings, tmp_path, max_steps=3, publish_dtype=publish_dtype)
     before = await asyncio.wait_for(train(cfg), TIMEOUT)
     opt_before = before.trainer.optimizer.state_dict()["state"]
+    served = fetch_checkpoint(s3_client, before.events[-1], tmp_path / "served")
+    with safe_open(served / "model.safetensors", "pt") as f:  # what workers download
+        assert f.get_tensor("lm_head.weight").dtype == getattr(torch, publish_dtype or "float32")
 
-    # same budget: resumes at step 3 and has nothing to do
+    # same budget: resumes at step 3 and has nothing to do, bit for bit (never from a cast serving copy)
     again = await asyncio.wait_for(train(cfg), TIMEOUT)
     assert (again.resumed_from, again.step, again.events) == (3, 3, [])
     for a, b in zip(before.trainer.model.parameters(), again.trainer.model.parameters(), strict=True):

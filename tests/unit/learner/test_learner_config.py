@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from boltstream.errors import ConfigError
 from boltstream.learner.cli import parser
 from boltstream.learner.config import LearnerConfig, load_config
 from boltstream.learner.tiny import random_samples
-from boltstream.learner.trainer import TorchTrainer, load_weights, save_weights
+from boltstream.learner.trainer import TorchTrainer, cast_state_dict, load_weights, save_weights
 
 
 def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(tmp_path: Path) -> None:
@@ -28,7 +29,7 @@ def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(t
 
 @pytest.mark.parametrize(("field", "value"), [("groups_per_step", 0), ("zero_stage", 3), ("loss_agg", "sum"),
                                               ("max_staleness", -1), ("lr", 0.0), ("metrics_port", 70000),
-                                              ("lr_warmup_steps", -1)])
+                                              ("lr_warmup_steps", -1), ("publish_dtype", "fp8")])
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         LearnerConfig(**{field: value})
@@ -71,3 +72,50 @@ def test_saved_weights_load_back_in_place_and_training_continues(lora: bool, tmp
         with pytest.raises(RuntimeError, match="does not fit"):
             (tmp_path / "w" / "model.safetensors").rename(tmp_path / "w" / "gone")
             load_weights(other.model, tmp_path / "w")
+
+
+def test_publish_dtype_is_for_full_checkpoints() -> None:
+    assert LearnerConfig(publish_dtype="bfloat16").publish_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="publish_dtype.*LoRA"):
+        LearnerConfig(lora=True, publish_dtype="bfloat16")
+
+
+def test_cast_keeps_tied_tensors_shared_and_leaves_integers_alone() -> None:
+    emb = torch.tensor([[1.0, 2.0 + 2**-10]])
+    out = cast_state_dict({"embed": emb, "head": emb, "steps": torch.tensor([3]), "other": emb.clone()},
+                          torch.bfloat16)
+    assert out["embed"].dtype == torch.bfloat16 and out["embed"].tolist() == [[1.0, 2.0]]  # rounded
+    assert out["embed"] is out["head"] and out["other"] is not out["embed"]
+    assert out["steps"].dtype == torch.int64
+
+
+def test_weights_saved_cast_are_half_the_bytes_and_load_as_the_rounded_model(tmp_path: Path) -> None:
+    trainer = TorchTrainer(LearnerConfig(model="tiny", lr=1e-2))
+    trainer.step(random_samples(4, 200, seed=1))
+    save_weights(trainer.model, trainer.tokenizer, tmp_path / "fp32")
+    save_weights(trainer.model, trainer.tokenizer, tmp_path / "bf16", dtype="bfloat16")
+    size = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("fp32", "bf16")}
+    assert size["bf16"] < 0.55 * size["fp32"]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    other = TorchTrainer(LearnerConfig(model="tiny", seed=1))
+    load_weights(other.model, tmp_path / "bf16")  # every weight present: the tied head was written once
+    for a, b in zip(trainer.model.parameters(), other.model.parameters(), strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_a_tied_model_saved_cast_writes_the_shared_weight_once(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from boltstream.models import byte_tokenizer, tiny_llama
+
+    model = tiny_llama(vocab_size=259, tie_word_embeddings=True)  # SmolLM2 ties its head to the embedding
+    save_weights(model, byte_tokenizer(), tmp_path / "w", dtype="bfloat16")
+    with safe_open(tmp_path / "w" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    other = tiny_llama(vocab_size=259, seed=1, tie_word_embeddings=True)
+    load_weights(other, tmp_path / "w")
+    assert other.lm_head.weight is other.model.embed_tokens.weight
+    torch.testing.assert_close(other.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
