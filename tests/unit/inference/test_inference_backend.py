@@ -114,6 +114,30 @@ async def test_incomplete_full_checkpoint_is_refused(tmp_path: Path) -> None:
         await backend.stop()
 
 
+async def test_a_bfloat16_serving_copy_loads_into_the_workers_dtype(tmp_path: Path) -> None:
+    from boltstream.learner.trainer import save_weights
+
+    model, tok = tiny_model_and_tokenizer(1)
+    save_weights(model, tok, tmp_path / "v1", dtype="bfloat16")  # what `learn --publish-dtype bfloat16` writes
+    rounded, _ = tiny_model_and_tokenizer(1)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    reference = await _started(TransformersBackend(rounded, tok, model_name="tiny"))
+    expected = await _greedy(reference)
+    await reference.stop()
+    backend = await _started(_fresh(0))
+    try:
+        await backend.load_weights(tmp_path / "v1", "full", 1)
+        served = backend._policy.model
+        assert {p.dtype for p in served.parameters()} == {torch.float32}
+        for a, b in zip(served.parameters(), rounded.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert await _greedy(backend) == expected
+    finally:
+        await backend.stop()
+
+
 def _adapter(base_seed: int, adapter_seed: int, out: Path, r: int = 4) -> Path:
     from peft import LoraConfig, get_peft_model
 
