@@ -12,9 +12,10 @@ LoRA adapter): median and p95 of the total, of event -> serving, of the
 upload alone and of the worker's own download + verify + load time. One
 untimed warm-up reload per kind comes first (the first LoRA adapter also
 wraps the model in PEFT). Goals on CPU: full <= 3 s, LoRA <= 0.5 s.
-``--publish-dtype bfloat16`` publishes full weights at half the bytes, the
-files the learner writes with ``boltstream learn --publish-dtype bfloat16``
-(the worker casts them back to its own dtype on load).
+Three kinds, in one run: ``full`` (the weights as stored, fp32 for SmolLM2:
+the baseline), ``full-bf16`` (the files ``boltstream learn --publish-dtype
+bfloat16`` writes, half the bytes; the worker casts them back to its own
+dtype) and ``lora``; the ratio full-bf16 / full is printed.
 JSON goes to benchmarks/results/reload.json.
 """
 
@@ -44,7 +45,7 @@ from boltstream.schemas import Codec
 from boltstream.stack import embedded_stack, settings_env
 
 RESULTS = Path(__file__).parent / "results"
-GOALS = {"full": 3.0, "lora": 0.5}
+GOALS = {"full": 3.0, "full-bf16": 3.0, "lora": 0.5}
 FULL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
 
@@ -107,20 +108,20 @@ async def run(args: argparse.Namespace, settings: Any, tmp: Path, urls: list[str
     client = s3.make_client(settings)
     codec = Codec()
     topic = settings.topic("checkpoints")
-    sources = {"full": [full_checkpoint(args.model, tmp / "full", args.publish_dtype)] * (args.reloads + 1)
-               if "full" in args.kinds else [],
-               "lora": lora_checkpoints(args.model, tmp, args.reloads + 1) if "lora" in args.kinds else []}
+    sources = {"full": lambda: [full_checkpoint(args.model, tmp / "full")] * (args.reloads + 1),
+               "full-bf16": lambda: [full_checkpoint(args.model, tmp / "bf16", "bfloat16")] * (args.reloads + 1),
+               "lora": lambda: lora_checkpoints(args.model, tmp, args.reloads + 1)}
     producer = AIOKafkaProducer(**producer_kwargs(settings, linger_ms=0))
     await producer.start()
     version, results = 0, {}
     try:
         for kind in args.kinds:
             rows = []
-            for i, local in enumerate(sources[kind]):
+            for i, local in enumerate(sources[kind]()):
                 version += 1
                 t0 = time.perf_counter()
                 event = await asyncio.to_thread(
-                    publish_checkpoint, client, settings.s3_bucket, "bench", version, local, kind=kind,
+                    publish_checkpoint, client, settings.s3_bucket, "bench", version, local, kind=kind.split("-")[0],
                     base_model=args.model, learner_step=version, model_name=args.model)
                 t1 = time.perf_counter()
                 await announce_checkpoint(producer, codec, topic, event)
@@ -135,7 +136,7 @@ async def run(args: argparse.Namespace, settings: Any, tmp: Path, urls: list[str
                 rows.append(row)
                 # what a learner does (keep_last): the embedded S3 keeps objects in memory and slows as it fills
                 await asyncio.to_thread(prune_checkpoints, client, settings.s3_bucket, "bench", keep_last=2)
-                print(f"{kind:4s} v{version:<3d} total {row['total_s']:.3f}s  upload {row['upload_s']:.3f}s  "
+                print(f"{kind:9s} v{version:<3d} total {row['total_s']:.3f}s  upload {row['upload_s']:.3f}s  "
                       f"event->serving {row['event_to_serving_s']:.3f}s  worker {row['worker_reload_s']:.3f}s "
                       f"(fetch {row['worker_fetch_s']:.3f}s)"
                       + ("  (warm-up)" if i == 0 else ""), flush=True)
@@ -156,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--reloads", type=int, default=10)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--kinds", default="full,lora")
-    p.add_argument("--publish-dtype", default=None,
-                   help="full checkpoints cast as the learner's --publish-dtype writes them, e.g. bfloat16")
+    p.add_argument("--kinds", default=",".join(GOALS), help=f"comma-separated, of {', '.join(GOALS)}")
     p.add_argument("--out", default=str(RESULTS / "reload.json"))
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(args.kinds) - set(GOALS))
+    if unknown:
+        p.error(f"unknown kind(s) {', '.join(unknown)}: choose from {', '.join(GOALS)}")
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-reload-") as d, embedded_stack(d) as settings:
         tmp = Path(d)
@@ -176,15 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             for w in workers:
                 w.stop()
     report = {"benchmark": "reload", "model": args.model, "workers": args.workers, "cpus": os.cpu_count(),
-              "publish_dtype": args.publish_dtype or "as stored (float32 for smollm2)",
               "machine": platform.machine(), "python": sys.version.split()[0], "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\n{'kind':5s} {'median':>8s} {'p95':>8s} {'event->serving med':>19s} {'upload med':>11s} {'goal':>6s}")
+    print(f"\n{'kind':9s} {'median':>8s} {'p95':>8s} {'event->serving med':>19s} {'upload med':>11s} {'goal':>6s}")
     for kind, r in results.items():
         s = r["summary"]
-        print(f"{kind:5s} {s['total_s_median']:7.3f}s {s['total_s_p95']:7.3f}s {s['event_to_serving_s_median']:18.3f}s "
+        print(f"{kind:9s} {s['total_s_median']:7.3f}s {s['total_s_p95']:7.3f}s {s['event_to_serving_s_median']:18.3f}s "
               f"{s['upload_s_median']:10.3f}s {s['goal_s']:5.1f}s {'OK' if s['meets_goal'] else 'MISSED'}")
+    if {"full", "full-bf16"} <= results.keys():
+        ratio = results["full-bf16"]["summary"]["total_s_median"] / results["full"]["summary"]["total_s_median"]
+        print(f"ratio full-bf16 / full (median publish -> serving): {ratio:.2f}x")
     print(f"-> {args.out}")
     return 0
 
