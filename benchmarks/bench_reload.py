@@ -15,7 +15,8 @@ wraps the model in PEFT). Goals on CPU: full <= 3 s, LoRA <= 0.5 s.
 Three kinds, in one run: ``full`` (the weights as stored, fp32 for SmolLM2:
 the baseline), ``full-bf16`` (the files ``boltstream learn --publish-dtype
 bfloat16`` writes, half the bytes; the worker casts them back to its own
-dtype) and ``lora``; the ratio full-bf16 / full is printed.
+dtype) and ``lora``; the ratio full-bf16 / full is printed, and what a cast
+copy costs in fidelity (per-token log-probability gap to the trained weights).
 JSON goes to benchmarks/results/reload.json.
 """
 
@@ -91,6 +92,34 @@ def lora_checkpoints(model: str, out: Path, count: int) -> list[Path]:
         peft_model.save_pretrained(out / f"lora-{i}")
         dirs.append(out / f"lora-{i}")
     return dirs
+
+
+def rounding_gap(model: str, dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> dict[str, dict[str, float]]:
+    """What serving a cast copy costs in fidelity: |log p| differences (T=0.7) between the model and
+    its weights rounded to each dtype, per token of a fixed calculator-style text."""
+    import copy
+
+    import torch
+
+    base, tokenizer = load_model(model)
+    text = "Q: What is 37 * 12? Use the calculator. A: CALC: 37*12 = 444. The answer is 444. " * 3
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+
+    def logprobs(m: Any) -> Any:
+        with torch.no_grad():
+            logits = m(ids).logits[0, :-1].float() / 0.7
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+
+    reference, out = logprobs(base), {}
+    for name in dtypes:
+        rounded = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in rounded.parameters():
+                p.copy_(p.to(getattr(torch, name)).to(p.dtype))
+        gap = (logprobs(rounded) - reference).abs()
+        out[name] = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()),
+                     "tokens": gap.numel()}
+    return out
 
 
 async def wait_all(urls: list[str], version: int, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -177,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for w in workers:
                 w.stop()
+    gap = rounding_gap(args.model) if "full-bf16" in args.kinds else {}
     report = {"benchmark": "reload", "model": args.model, "workers": args.workers, "cpus": os.cpu_count(),
-              "machine": platform.machine(), "python": sys.version.split()[0], "results": results}
+              "machine": platform.machine(), "python": sys.version.split()[0], "results": results,
+              "rounding_gap": gap}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\n{'kind':9s} {'median':>8s} {'p95':>8s} {'event->serving med':>19s} {'upload med':>11s} {'goal':>6s}")
@@ -189,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if {"full", "full-bf16"} <= results.keys():
         ratio = results["full-bf16"]["summary"]["total_s_median"] / results["full"]["summary"]["total_s_median"]
         print(f"ratio full-bf16 / full (median publish -> serving): {ratio:.2f}x")
+    for name, g in gap.items():
+        print(f"served {name} copy vs the trained weights: |log p| differs by {g['mean_abs_logprob_diff']:.4f} "
+              f"on average, {g['max_abs_logprob_diff']:.4f} at most ({g['tokens']} tokens, T=0.7)")
     print(f"-> {args.out}")
     return 0
 

@@ -98,7 +98,8 @@ def adamw(cfg: LearnerConfig, model: torch.nn.Module) -> torch.optim.AdamW:
 
 def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Floating-point tensors cast to ``dtype``; tensors that shared storage (tied embeddings) still
-    share it, so ``save_pretrained`` recognises them as tied and writes them once."""
+    share it, so ``save_pretrained`` recognises them as tied and writes them once. A weight outside
+    the dtype's range (float16: 65504) is an error, never a served inf."""
     cast: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
     out = {}
     for name, t in state.items():
@@ -108,6 +109,8 @@ def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if key not in cast:
             cast[key] = t.detach().to(dtype)
+            if not bool(torch.isfinite(cast[key]).all()) and bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} does not fit {dtype}: a weight beyond its range became inf")
         out[name] = cast[key]
     return out
 

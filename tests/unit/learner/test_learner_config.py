@@ -87,6 +87,8 @@ def test_cast_keeps_tied_tensors_shared_and_leaves_integers_alone() -> None:
     assert out["embed"].dtype == torch.bfloat16 and out["embed"].tolist() == [[1.0, 2.0]]  # rounded
     assert out["embed"] is out["head"] and out["other"] is not out["embed"]
     assert out["steps"].dtype == torch.int64
+    with pytest.raises(ValueError, match="big does not fit torch.float16"):
+        cast_state_dict({"big": torch.tensor([1.0, 7e4])}, torch.float16)
 
 
 def test_weights_saved_cast_are_half_the_bytes_and_load_as_the_rounded_model(tmp_path: Path) -> None:
