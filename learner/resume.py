@@ -143,7 +143,7 @@ def publish(s3: Any, cfg: LearnerConfig, trainer: Trainer, state: LearnerState, 
 
 def serving_dtype(cfg: LearnerConfig, trainer: Trainer) -> str | None:
     """The dtype to cast published weights to: ``cfg.publish_dtype`` when the model is in another one."""
-    if cfg.publish_dtype is None or cfg.kind != "full":
+    if cfg.publish_dtype is None:  # (LearnerConfig refuses it with LoRA)
         return None
     import torch
 
