@@ -219,6 +219,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pipeline-budget", type=float, default=1800.0, help="time budget of the pipeline run (s)")
     p.add_argument("--skip-pipeline", action="store_true", help="bare loop only (no ratio)")
+    p.add_argument("--out", type=Path, default=RESULTS / "vs_bare.json")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     train, test = train_test(n_train=256, n_test=32, seed=args.seed)
@@ -246,8 +247,8 @@ def main() -> int:
               f"({piped['learner_steps']} learner steps)")
         print(f"ratio pipeline/bare train time: {ratio:.2f}x (goal <= 1.3x at a comparable after-score): "
               f"{'met' if result['goal_met'] else 'missed'}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "vs_bare.json").write_text(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str))
     return 0
 
 
