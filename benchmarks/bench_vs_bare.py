@@ -25,17 +25,16 @@ for each side, and ``ratio = pipeline_train_s / bare_train_s`` (goal <= 1.3
 at a comparable after-score). JSON goes to benchmarks/results/vs_bare.json.
 
 Measured at the defaults (8 steps x 4 groups x 4, lr 1e-3 after a 3-step warmup, no std division,
-AIR once per rollout, LoRA on every linear layer, eval 32 x 2, seed 0, 2 cores):
+AIR once per rollout, LoRA on every linear layer, eval 32 x 2, 2 cores), three seeds:
 
-    bare loop : before 0.203 +- 0.063  after 0.688 +- 0.070  train 387s
-    pipeline  : before 0.172 +- 0.058  after 0.422 +- 0.078  train 303s (8 learner steps)
-    ratio pipeline/bare train time: 0.78x (goal <= 1.3x at a comparable after-score): missed
+    seed 0  bare 0.203 -> 0.688 (387 s)   pipeline 0.172 -> 0.422 (303 s)   0.78x  missed
+    seed 1  bare 0.172 -> 0.656 (370 s)   pipeline 0.234 -> 0.594 (299 s)   0.81x  met
+    seed 2  bare 0.250 -> 0.766 (350 s)   pipeline 0.266 -> 0.766 (294 s)   0.84x  met
 
-The pipeline is faster than the bare loop here but its after-score was lower in this one run; the
-pipeline is not deterministic (rollout timing decides which tasks land in which step), and four demo
-seeds at the same settings ended at 0.67-0.89 (README). Earlier, with std division and a per-call AIR
-bonus, both sides collapsed at 12 steps (bare 0.203 -> 0.172, pipeline 0.266 -> 0.000). The bare loop is
-deterministic for a seed (two runs gave identical rewards).
+("met": ratio <= 1.3 and the pipeline's after-score within one SE of the bare loop's.) The
+pipeline is not deterministic (rollout timing decides which tasks land in which step); the
+bare loop is (two runs of one seed gave identical rewards). Earlier, with std division and a
+per-call AIR bonus, both sides collapsed at 12 steps (bare 0.203 -> 0.172, pipeline 0.266 -> 0.000).
 """
 
 from __future__ import annotations
