@@ -101,14 +101,8 @@ def main(argv: list[str]) -> int:
     # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
     # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
     kwargs.setdefault("call_credit", "episode")
-    # lr 1e-3 on every linear layer's adapter, 8 steps of 4 groups x 4: four seeds went 0.25 -> 0.77 held-out
-    # (README). Advantages are return - group mean, not divided by the group's std (Dr. GRPO): the std
-    # scaling gave a 1-of-4 group (or one that differed only by AIR) the weight of a 2-of-4 split, and
-    # runs collapsed (paired bare loops, seed 0, 12 steps: 0.20 -> 0.17 with it, 0.20 -> 0.44 without).
-    kwargs.setdefault("std_normalize", False)
-    # Adam's first update moves every adapter weight by ~lr whatever the gradient: at a full 1e-3 one
-    # step on 16 rollouts broke the CALC format of a seed-0 run (training reward 0.53 -> 0.00).
-    kwargs.setdefault("lr_warmup_steps", 3)
+    # lr 1e-3 on every linear layer's adapter (after PipelineConfig's 3-step warmup, no std division),
+    # 8 steps of 4 groups x 4: four seeds went 0.25 -> 0.77 held-out (README).
     for key, value in (("steps", 8), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
                        ("eval_samples", 2), ("time_budget_s", 840.0), ("lr", 1e-3)):
         kwargs.setdefault(key, value)

@@ -52,14 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--lr", type=float, default=None)
-    a("--lr-warmup-steps", type=int, default=None, help="ramp the lr up linearly over the first N steps")
+    a("--lr-warmup-steps", type=int, default=None, help="ramp the lr up linearly over the first N steps (default 3)")
     a("--kl-coef", type=float, default=None, help="KL penalty to the base model (default 0)")
     a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
     a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
     a("--call-credit", choices=("return", "episode"), default=None,
       help="a call's advantage from its own return (default) or its rollout's episode return")
     a("--std-normalize", action=argparse.BooleanOptionalAction, default=None,
-      help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
+      help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO, the default)")
     a("--tasks-per-version", type=int, default=None,
       help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
     a("--agent-match", default=None, help="regex: train only calls of matching agents")
