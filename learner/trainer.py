@@ -131,9 +131,9 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, directory: Path, dtype:
                               state_dict=cast_state_dict(model.state_dict(), target))
         config_file = directory / "config.json"
         config = json.loads(config_file.read_text())
-        for key in ("dtype", "torch_dtype"):  # what a loader asked for dtype="auto" (vLLM's default) builds
-            if key in config or key == "dtype":
-                config[key] = dtype
+        config["dtype"] = dtype  # what a loader asked for dtype="auto" (vLLM's default) builds
+        if "torch_dtype" in config:  # older name, still read by older loaders
+            config["torch_dtype"] = dtype
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     if not hasattr(model, "peft_config"):
         tokenizer.save_pretrained(directory)
