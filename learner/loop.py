@@ -170,8 +170,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
             # 3c. metrics: console, Prometheus, JSONL (with the sample ids trained)
             now = time.perf_counter()
             record = step_record(step, version, metrics, inp, wall_seconds=now - last_step_at,
-                                 dropped_total=assembler.dropped)
-            record["lr"] = lr
+                                 dropped_total=assembler.dropped, lr=lr)
             last_step_at = now
             sink.step(record)
             say(f"step {step} version {version}")

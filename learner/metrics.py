@@ -43,7 +43,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
 def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall_seconds: float,
-                dropped_total: Mapping[str, int], lag: int | None = None) -> dict[str, Any]:
+                dropped_total: Mapping[str, int], lag: int | None = None, lr: float | None = None) -> dict[str, Any]:
     """The JSONL/console/Prometheus view of one step (plain JSON types only)."""
     advantages = [float(s["advantage"]) for s in inp.samples]
     rewards = [float(s.get("reward", 0.0)) for s in inp.samples]
@@ -68,6 +68,8 @@ def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall
     }
     if lag is not None:
         record["lag_records"] = lag
+    if lr is not None:
+        record["lr"] = lr
     return record
 
 

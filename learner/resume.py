@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from boltstream.checkpoints import (
     checkpoint_event,
     fetch_checkpoint,
@@ -145,8 +147,6 @@ def serving_dtype(cfg: LearnerConfig, trainer: Trainer) -> str | None:
     """The dtype to cast published weights to: ``cfg.publish_dtype`` when the model is in another one."""
     if cfg.publish_dtype is None:  # (LearnerConfig refuses it with LoRA)
         return None
-    import torch
-
     trained = next(trainer.model.parameters()).dtype
     return None if trained == getattr(torch, cfg.publish_dtype) else cfg.publish_dtype
 
