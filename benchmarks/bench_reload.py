@@ -38,12 +38,12 @@ import httpx
 from aiokafka import AIOKafkaProducer
 
 from boltstream import s3
-from boltstream.checkpoints import announce_checkpoint, prune_checkpoints, publish_checkpoint
 from boltstream.inference.launch import WorkerProcess
 from boltstream.kafka import producer_kwargs
-from boltstream.models import load_model, model_dir
 from boltstream.schemas import Codec
 from boltstream.stack import embedded_stack, settings_env
+from boltstream.weights.checkpoints import announce_checkpoint, prune_checkpoints, publish_checkpoint
+from boltstream.weights.models import load_model, model_dir
 
 RESULTS = Path(__file__).parent / "results"
 GOALS = {"full": 3.0, "full-bf16": 3.0, "lora": 0.5}

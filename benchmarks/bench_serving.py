@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from boltstream.inference.launch import WorkerProcess
-from boltstream.models import model_dir
 from boltstream.stack import embedded_stack, settings_env
+from boltstream.weights.models import model_dir
 
 RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the ocean", "a robot learning to paint", "prime numbers", "a rainy day in Lisbon", "compilers",

@@ -58,8 +58,8 @@ import torch  # noqa: E402
 from boltstream.learner.config import LearnerConfig  # noqa: E402
 from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs  # noqa: E402
 from boltstream.learner.trainer import adamw, build_model, pad_token_id  # noqa: E402
-from boltstream.models import stop_token_ids  # noqa: E402
-from boltstream.pipeline import PipelineConfig, mean_and_se  # noqa: E402
+from boltstream.runs.pipeline import PipelineConfig, mean_and_se  # noqa: E402
+from boltstream.weights.models import stop_token_ids  # noqa: E402
 from examples.calc import agent as calc  # noqa: E402
 from examples.calc.tasks import train_test  # noqa: E402
 
@@ -187,7 +187,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
 
 
 def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
-    from boltstream.train import run
+    from boltstream.runs.train import run
 
     cfg = PipelineConfig(
         agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",

@@ -24,8 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("boltstream.inference.cli", "OpenAI-compatible inference worker with token capture"),
     "stream": ("boltstream.streams.cli", "the stream app: spans -> trajectories -> training batches"),
     "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints"),
-    "train": ("boltstream.train", "train your own agent end to end"),
-    "demo": ("boltstream.demo", "the whole loop on the embedded stack with a real model"),
+    "train": ("boltstream.runs.train", "train your own agent end to end"),
+    "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),
 }
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
+from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID, span_key
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_ID, ATTEMPT_ID, TASK_ID = "boltstream.rollout_id", "boltstream.attempt_id", "boltstream.task_id"
 SCOPE = "boltstream.inference"
 MAX_TEXT_ATTR = 32 * 1024  # message texts are for humans (Console); token ids are the training record
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
@@ -155,10 +155,6 @@ def build_llm_span(
         },
     }
 
-
-def span_key(span: Mapping[str, Any]) -> bytes:
-    """Partition key: the rollout id, or the trace id for unassigned calls (design.md, Topics)."""
-    return str(span.get("rollout_id") or span["trace_id"]).encode()
 
 
 class SpanSink(Protocol):

@@ -113,7 +113,7 @@ def build_backend(cfg: ServeConfig) -> Any:
     import transformers
 
     from boltstream.inference.transformers_backend import TransformersBackend
-    from boltstream.models import load_model
+    from boltstream.weights.models import load_model
 
     transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)

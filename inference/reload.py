@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from boltstream.checkpoints import fetch_checkpoint
 from boltstream.inference.backend import Backend
 from boltstream.inference.service import Metrics
+from boltstream.weights.checkpoints import fetch_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from boltstream.inference.backend import Backend
-from boltstream.inference.capture import ROLLOUT_ID, CallContext, SpanSink
+from boltstream.inference.capture import CallContext, SpanSink
 from boltstream.inference.protocol import ApiError, error_body, parse_json
 from boltstream.inference.reload import CheckpointFollower, ReloadStatus
 from boltstream.inference.service import CompletionService, Metrics
 from boltstream.producers.headers import NO_CAPTURE_SEGMENT
+from boltstream.schemas.records import ROLLOUT_ID
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from boltstream.inference.backend import (
     cut_at_stop,
 )
 from boltstream.inference.weights import Policy, WeightSwapping
-from boltstream.models import stop_token_ids
+from boltstream.weights.models import stop_token_ids
 
 log = logging.getLogger(__name__)
 

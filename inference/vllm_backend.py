@@ -74,7 +74,7 @@ class VllmBackend:
         vllm = _import_vllm()
         from transformers import AutoTokenizer
 
-        from boltstream.models import model_dir
+        from boltstream.weights.models import model_dir
 
         path = model_dir(cfg.model, cfg.seed)
         kwargs: dict[str, Any] = dict(

@@ -36,7 +36,7 @@ class LearnerConfig:
 
     settings: Settings = dataclasses.field(default_factory=Settings)
     # --- model
-    model: str = "smollm2"  # smollm2 | tiny | HF directory | .gguf (boltstream.models.load_model)
+    model: str = "smollm2"  # smollm2 | tiny | HF directory | .gguf (boltstream.weights.models.load_model)
     model_name: str | None = None  # key of CheckpointEvents; default derived from `model` (as `serve` does)
     seed: int = 0  # tiny model weights and the torch RNG
     device: str = "cpu"

@@ -36,8 +36,8 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from boltstream import s3 as s3_mod
-from boltstream.checkpoints import announce_checkpoint
 from boltstream.kafka import producer_kwargs, wait_for_broker
+from boltstream.weights.checkpoints import announce_checkpoint
 
 from .config import LearnerConfig
 from .consumer import GroupAssembler, OffsetTracker

@@ -1,6 +1,6 @@
 """Publishing checkpoints and resuming from them exactly.
 
-A version is two uploads through :func:`boltstream.checkpoints.publish_checkpoint`:
+A version is two uploads through :func:`boltstream.weights.checkpoints.publish_checkpoint`:
 
 * ``<run>/learner/v<N>/``: the training state (optimizer moments, RNG, and
   ``learner.json``: step, version, the offset bookkeeping and the dedupe window),
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from boltstream.checkpoints import (
+from boltstream.errors import CheckpointError
+from boltstream.weights.checkpoints import (
     checkpoint_event,
     fetch_checkpoint,
     latest_manifest,
@@ -40,7 +41,6 @@ from boltstream.checkpoints import (
     prune_checkpoints,
     publish_checkpoint,
 )
-from boltstream.errors import CheckpointError
 
 from .config import LearnerConfig
 from .trainer import Trainer, state_compatible

@@ -1,6 +1,6 @@
 """Tiny randomly initialised models and synthetic samples for tests (no downloads, ms).
 
-The model (:func:`boltstream.models.tiny_llama`, re-exported) is a real ``LlamaForCausalLM``
+The model (:func:`boltstream.weights.models.tiny_llama`, re-exported) is a real ``LlamaForCausalLM``
 (same code path as SmolLM2), only small, so every test exercises the production
 forward/backward rather than a mock.
 """
@@ -11,7 +11,7 @@ import logging
 import random
 from typing import Any
 
-from boltstream.models import tiny_llama
+from boltstream.weights.models import tiny_llama
 
 __all__ = ["random_samples", "tiny_llama"]
 

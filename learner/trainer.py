@@ -45,9 +45,9 @@ class Trainer(Protocol):
 
 
 def build_model(cfg: LearnerConfig) -> tuple[torch.nn.Module, Any]:
-    """(model in train mode, tokenizer): ``cfg.model`` loaded by :func:`boltstream.models.load_model`,
+    """(model in train mode, tokenizer): ``cfg.model`` loaded by :func:`boltstream.weights.models.load_model`,
     wrapped with LoRA adapters when ``cfg.lora`` (only the adapters are then trainable)."""
-    from boltstream.models import load_model
+    from boltstream.weights.models import load_model
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)

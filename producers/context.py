@@ -43,13 +43,15 @@ from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
+from boltstream.schemas import records
+
 log = logging.getLogger(__name__)
 
 ROLLOUT_NAMESPACE = uuid.UUID("6f1c3a52-8d4e-5b7a-9c2d-0e1f2a3b4c5d")
-ROOT_SPAN = "boltstream.rollout"
-REWARD_SPAN = "boltstream.reward"
-ROLLOUT_ID, ATTEMPT_ID, TASK_ID = "boltstream.rollout_id", "boltstream.attempt_id", "boltstream.task_id"
-ID_KEYS = (ROLLOUT_ID, ATTEMPT_ID, TASK_ID)
+ROOT_SPAN = records.ROLLOUT_SPAN
+REWARD_SPAN = records.REWARD_SPAN
+ROLLOUT_ID, ATTEMPT_ID, TASK_ID = records.ROLLOUT_ID, records.ATTEMPT_ID, records.TASK_ID
+ID_KEYS = records.ID_ATTRIBUTES
 TRACER_NAME = "boltstream.producers"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -186,8 +188,8 @@ def _reward_span(ctx: RolloutContext | None, name: str, value: float, *, final: 
                  attributes: Mapping[str, Any] | None = None) -> None:
     tracer = ctx.tracer if ctx is not None and ctx.tracer is not None else trace.get_tracer(TRACER_NAME)
     attrs: dict[str, Any] = dict(attributes or {})
-    attrs.update({"boltstream.reward.name": name, "boltstream.reward.value": value,
-                  "boltstream.reward.final": final, "boltstream.reward.primary": primary})
+    attrs.update({records.REWARD_NAME: name, records.REWARD_VALUE: value,
+                  records.REWARD_FINAL: final, records.REWARD_PRIMARY: primary})
     parent = None
     if ctx is not None:
         attrs.update(ctx.ids)
@@ -260,9 +262,9 @@ def rollout(
                          task=task, base_url=base_url, tracer=tracer)
     attrs: dict[str, Any] = dict(attributes or {})
     attrs.update(ctx.ids)
-    attrs["boltstream.attempt"] = attempt
+    attrs[records.ATTEMPT] = attempt
     if agent_name:
-        attrs["boltstream.agent_name"] = agent_name
+        attrs[records.AGENT_NAME] = agent_name
     span = tracer.start_span(ROOT_SPAN, context=otel_context.Context(), attributes=attrs)
     ctx.span = span
     octx = trace.set_span_in_context(span, otel_context.get_current())
@@ -284,9 +286,9 @@ def rollout(
         raise
     finally:
         try:
-            span.set_attribute("boltstream.status", ctx.status)
+            span.set_attribute(records.STATUS, ctx.status)
             if ctx.error:
-                span.set_attribute("boltstream.error", ctx.error)
+                span.set_attribute(records.ERROR, ctx.error)
             span.set_status(Status(StatusCode.OK) if ctx.status == "ok" else Status(StatusCode.ERROR, ctx.error))
             span.end()
         finally:

@@ -24,6 +24,8 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind, StatusCode
 
+from boltstream.schemas import records
+
 from .attributes import as_str, convert_attributes
 from .genai import TOKEN_KEYS, derived_attributes
 
@@ -31,13 +33,13 @@ _KIND_NAMES = {k: k.name for k in SpanKind}
 _STATUS_NAMES = {c: c.name for c in StatusCode}
 
 ID_KEYS: dict[str, tuple[str, ...]] = {
-    "rollout_id": ("boltstream.rollout_id", "agentlightning.rollout_id"),
-    "attempt_id": ("boltstream.attempt_id", "agentlightning.attempt_id"),
-    "task_id": ("boltstream.task_id", "agentlightning.task_id"),
+    field: (ours, theirs)
+    for field, ours, theirs in zip(("rollout_id", "attempt_id", "task_id"), records.ID_ATTRIBUTES,
+                                   records.AGENTLIGHTNING_ID_ATTRIBUTES, strict=True)
 }
 _ID_LOOKUP = tuple((keys, fld) for fld, keys in ID_KEYS.items())
 _ID_ATTRS = tuple(f"boltstream.{fld}" for fld in ID_KEYS)
-TRUNCATED = "boltstream.truncated"
+TRUNCATED = records.TRUNCATED
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,7 @@ def from_readable(span: Any) -> SpanInput:
 def _ids(attrs: Mapping[str, Any], resource: Mapping[str, Any],
          defaults: Mapping[str, str | None] | None) -> tuple[str | None, str | None, str | None]:
     """(rollout_id, attempt_id, task_id) from attributes, then resource, then defaults."""
-    r, a, t = attrs.get("boltstream.rollout_id"), attrs.get("boltstream.attempt_id"), attrs.get("boltstream.task_id")
+    r, a, t = (attrs.get(k) for k in records.ID_ATTRIBUTES)
     if type(r) is str and r and type(a) is str and a and type(t) is str and t:
         return r, a, t  # what RolloutSpanProcessor stamps on every span of a rollout: nothing to look up
     out: list[str | None] = []
@@ -203,10 +205,6 @@ def normalise_span(span: Any, defaults: Mapping[str, str | None] | None = None) 
     """``ReadableSpan`` -> ``Span`` record dict."""
     return normalise(from_readable(span), defaults)
 
-
-def record_key(record: Mapping[str, Any]) -> bytes:
-    """The spans topic key: rollout_id, falling back to the trace id (design.md, "Topics")."""
-    return (record.get("rollout_id") or record["trace_id"]).encode("utf-8")
 
 
 class SpanNormaliser:

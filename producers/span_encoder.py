@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from boltstream.schemas.records import span_key
+
 from .truncate import FRAMING_BYTES, fit
 
 log = logging.getLogger(__name__)
@@ -349,7 +351,6 @@ class SpanRecordEncoder:
     def __init__(self, settings: Any, codec: Any = None) -> None:
         from boltstream.schemas import Codec
 
-        from .normalise import record_key
 
         self.topic = settings.topic("spans")
         self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
@@ -358,7 +359,7 @@ class SpanRecordEncoder:
             lambda rec: self.codec.encode("Span", rec, topic=self.topic))
         self.fast = fast is not None
         self.limit = settings.max_message_bytes - FRAMING_BYTES
-        self._key = record_key
+        self._key = span_key
 
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes, list[str]]:
         """(key, value, removed); ``removed`` is non-empty when the span had to be truncated."""

@@ -24,8 +24,10 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-TRUNCATED = "boltstream.truncated"
-TRUNCATED_FIELDS = "boltstream.truncated.fields"
+from boltstream.schemas import records
+
+TRUNCATED = records.TRUNCATED
+TRUNCATED_FIELDS = records.TRUNCATED_FIELDS
 # Room for the Kafka record/batch framing and the key around the Avro value.
 FRAMING_BYTES = 512
 _KEEP_PREFIX = "boltstream."

@@ -39,24 +39,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from boltstream.schemas import records
+
 logger = logging.getLogger(__name__)
 
 Span = Mapping[str, Any]
 
-ROLLOUT_SPAN_NAME = "boltstream.rollout"
-REWARD_SPAN_NAME = "boltstream.reward"
+ROLLOUT_SPAN_NAME = records.ROLLOUT_SPAN
+REWARD_SPAN_NAME = records.REWARD_SPAN
 
-ATTR_ROLLOUT_ID = "boltstream.rollout_id"
-ATTR_ATTEMPT_ID = "boltstream.attempt_id"
-ATTR_TASK_ID = "boltstream.task_id"
-ATTR_STATUS = "boltstream.status"
-ATTR_ERROR = "boltstream.error"
-ATTR_AGENT_NAME = "boltstream.agent_name"
-ATTR_SPAN_KIND = "boltstream.span.kind"
-ATTR_REWARD_NAME = "boltstream.reward.name"
-ATTR_REWARD_VALUE = "boltstream.reward.value"
-ATTR_REWARD_FINAL = "boltstream.reward.final"
-ATTR_REWARD_PRIMARY = "boltstream.reward.primary"
+ATTR_ROLLOUT_ID = records.ROLLOUT_ID
+ATTR_ATTEMPT_ID = records.ATTEMPT_ID
+ATTR_TASK_ID = records.TASK_ID
+ATTR_STATUS = records.STATUS
+ATTR_ERROR = records.ERROR
+ATTR_AGENT_NAME = records.AGENT_NAME
+ATTR_SPAN_KIND = records.SPAN_KIND
+ATTR_REWARD_NAME = records.REWARD_NAME
+ATTR_REWARD_VALUE = records.REWARD_VALUE
+ATTR_REWARD_FINAL = records.REWARD_FINAL
+ATTR_REWARD_PRIMARY = records.REWARD_PRIMARY
 
 _ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
 _LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content", "responses"})

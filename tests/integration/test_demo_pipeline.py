@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from boltstream.pipeline import PipelineConfig, read_jsonl
-from boltstream.train import run
+from boltstream.runs.pipeline import PipelineConfig, read_jsonl
+from boltstream.runs.train import run
 from examples.calc.tasks import train_test
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,11 +19,11 @@ import opentelemetry.instrumentation.auto_instrumentation as auto_instrumentatio
 import pytest
 
 from boltstream.config import Settings
-from boltstream.pipeline import PipelineConfig, read_jsonl
+from boltstream.runs.pipeline import PipelineConfig, read_jsonl
+from boltstream.runs.train import run
 from boltstream.stack import settings_env as to_env
 from boltstream.streams.assembly import build_span_tree
 from boltstream.streams.spans import attr, has_token_ids, inherited_agent_names
-from boltstream.train import run
 from examples.sql.tasks import train_test
 from tests.integration.conftest import read_topic
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from boltstream.demo import worker_counter
-from boltstream.train import stop_on_sigterm
+from boltstream.runs.demo import worker_counter
+from boltstream.runs.train import stop_on_sigterm
 
 METRICS = b"""# HELP boltstream_inference_spans_total LLM spans written
 # TYPE boltstream_inference_spans_total counter

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from boltstream.checkpoints import (
+from boltstream.errors import CheckpointError
+from boltstream.weights.checkpoints import (
     MANIFEST,
     fetch_checkpoint,
     latest_manifest,
@@ -18,7 +19,6 @@ from boltstream.checkpoints import (
     publish_checkpoint,
     version_prefix,
 )
-from boltstream.errors import CheckpointError
 
 MiB = 1024 * 1024
 

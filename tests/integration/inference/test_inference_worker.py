@@ -10,10 +10,10 @@ import httpx
 import openai
 from aiokafka import TopicPartition
 
-from boltstream.checkpoints import publish_checkpoint, version_prefix
 from boltstream.kafka import log_end_offsets
-from boltstream.models import byte_tokenizer, save_model_dir, tiny_model_and_tokenizer
 from boltstream.stack import run_sync
+from boltstream.weights.checkpoints import publish_checkpoint, version_prefix
+from boltstream.weights.models import byte_tokenizer, save_model_dir, tiny_model_and_tokenizer
 
 HEADERS = {"X-Boltstream-Rollout-Id": "roll-1", "X-Boltstream-Attempt-Id": "task-1:0", "X-Boltstream-Task-Id": "task-1"}
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from boltstream.checkpoints import latest_manifest
 from boltstream.kafka import log_end_offsets
 from boltstream.learner.metrics import read_records, read_steps
+from boltstream.weights.checkpoints import latest_manifest
 from tests.integration.learner.helpers import Learner, group, produce, sample_ids
 
 ARGS = ["--model", "tiny", "--groups-per-step", "2", "--checkpoint-every", "4", "--keep-last", "2",

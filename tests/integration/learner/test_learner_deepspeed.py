@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from boltstream.checkpoints import fetch_checkpoint, latest_manifest
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
-from boltstream.models import load_model
+from boltstream.weights.checkpoints import fetch_checkpoint, latest_manifest
+from boltstream.weights.models import load_model
 from tests.integration.learner.helpers import Learner, group, produce
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")

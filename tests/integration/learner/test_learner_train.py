@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from boltstream.checkpoints import fetch_checkpoint, latest_manifest, list_versions
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
-from boltstream.models import load_model
+from boltstream.weights.checkpoints import fetch_checkpoint, latest_manifest, list_versions
+from boltstream.weights.models import load_model
 from tests.integration.learner.helpers import group, produce, read_topic, sample_ids
 
 TIMEOUT = 90.0

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import create_app
 from boltstream.inference.transformers_backend import TransformersBackend
-from boltstream.models import tiny_model_and_tokenizer
+from boltstream.weights.models import tiny_model_and_tokenizer
 
 MAX_CONTEXT = 1024
 

@@ -12,7 +12,7 @@ import torch
 from boltstream.errors import CheckpointError
 from boltstream.inference.backend import SamplingParams
 from boltstream.inference.transformers_backend import TransformersBackend
-from boltstream.models import save_model_dir, tiny_model_and_tokenizer
+from boltstream.weights.models import save_model_dir, tiny_model_and_tokenizer
 
 PROMPT = list(b"The quick brown fox")  # greedy on seeds 0-2 runs 200+ tokens without an end token
 

@@ -1,4 +1,4 @@
-"""boltstream.models and the text helpers the server relies on for exact token <-> text agreement."""
+"""boltstream.weights.models and the text helpers the server relies on for exact token <-> text agreement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from boltstream.inference.chat import parse_tool_calls, render_prompt, template_supports_tools
 from boltstream.inference.protocol import ApiError, TextStream
-from boltstream.models import (
+from boltstream.weights.models import (
     byte_tokenizer,
     load_model,
     model_dir,

@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from boltstream.inference.capture import MemorySpanSink, span_key
+from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import rollout_ids_from_path
+from boltstream.schemas.records import span_key
 
 ROLLOUT = {"X-Boltstream-Rollout-Id": "r-1", "X-Boltstream-Attempt-Id": "t-1:0", "X-Boltstream-Task-Id": "t-1"}
 

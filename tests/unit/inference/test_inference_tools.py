@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from boltstream.inference.backend import Completion, Generation, SamplingParams, TokenCallback
 from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import create_app
-from boltstream.models import byte_tokenizer
+from boltstream.weights.models import byte_tokenizer
 
 REPLY = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

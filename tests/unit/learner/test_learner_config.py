@@ -109,7 +109,7 @@ def test_weights_saved_cast_are_half_the_bytes_and_load_as_the_rounded_model(tmp
 def test_a_tied_model_saved_cast_writes_the_shared_weight_once(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from boltstream.models import byte_tokenizer, tiny_llama
+    from boltstream.weights.models import byte_tokenizer, tiny_llama
 
     model = tiny_llama(vocab_size=259, tie_word_embeddings=True)  # SmolLM2 ties its head to the embedding
     save_weights(model, byte_tokenizer(), tmp_path / "w", dtype="bfloat16")

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.errors import BoltstreamError
-from boltstream.pipeline import PipelineConfig, Processes
-from boltstream.train import _common, add_arguments, print_summary, run, stop_on_sigterm
+from boltstream.runs.pipeline import PipelineConfig, Processes
+from boltstream.runs.train import _common, add_arguments, print_summary, run, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LiveDisplay:

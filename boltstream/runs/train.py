@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.config import Settings, load
-from boltstream.pipeline import (
+from boltstream.runs.pipeline import (
     PipelineConfig,
     Processes,
     component_env,
