@@ -8,18 +8,28 @@ be running in the current directory.
 
 Every process config embeds :class:`Settings` (how to reach the broker, the
 object store and the schema registry) and adds its own knobs; :func:`load`
-resolves both levels.
+resolves every level.
+
+Names are derived, never written twice. A field ``gamma`` of a config whose
+``env_prefix`` is ``BOLTSTREAM_STREAM_`` is the variable ``BOLTSTREAM_STREAM_GAMMA``
+and the flag ``--gamma`` (:func:`flags_from_dataclass`); a nested config with its
+own ``env_prefix`` (:class:`Settings`) keeps it, one without (the stream app's
+``CreditConfig``, the learner's ``StepConfig``) contributes its fields under the
+parent's prefix. So a default, its help text (:func:`opt`) and its names live in
+one place, and ``boltstream train`` passes a setting to a component with
+:func:`to_argv`, the inverse of the component's own parser.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -34,6 +44,22 @@ SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 # Topic short names; the namespace is prefixed at use (design.md, "Topics").
 TOPICS = ("tasks", "spans", "trajectories", "batches", "checkpoints", "dlq")
+# Attempts per task (one GRPO group): the runner starts this many, the stream app waits for them.
+DEFAULT_GROUP_SIZE = 4
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Any = dataclasses.MISSING,
+        cli: bool = True, secret: bool = False, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field that carries its help text, so the flag and the docs say what the code means.
+
+    ``cli=False``: neither a flag nor an environment variable (values derived at run time).
+    ``secret=True``: no flag (a password in argv is visible to every user of the machine),
+    and left out of ``repr()``.
+    """
+    metadata = {"help": help, "cli": cli, "secret": secret, "choices": choices}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata, repr=not secret)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,25 +79,25 @@ class Settings:
         "partitions",
     )
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    security_protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: str | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    namespace: str = "boltstream."
-    partitions: int = 4
-    replication_factor: int = 1
-    max_message_bytes: int = 1_000_000
-    schema_registry_url: str | None = None
-    s3_endpoint: str = "http://127.0.0.1:9000"
-    s3_bucket: str = "boltstream"
-    s3_access_key: str = "boltstream"
-    s3_secret_key: str = "boltstream-secret"
-    s3_region: str = "us-east-1"
-    state_file: str = DEFAULT_STATE_FILE
+    bootstrap_servers: str = opt("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]")
+    security_protocol: str = opt("PLAINTEXT", "broker security protocol", choices=SECURITY_PROTOCOLS)
+    sasl_mechanism: str | None = opt(None, "SASL mechanism", choices=SASL_MECHANISMS)
+    sasl_username: str | None = opt(None, "SASL user name")
+    sasl_password: str | None = opt(None, "SASL password", secret=True)
+    ssl_cafile: str | None = opt(None, "CA bundle that signs the broker's certificate")
+    ssl_certfile: str | None = opt(None, "client certificate (mutual TLS)")
+    ssl_keyfile: str | None = opt(None, "client certificate's private key")
+    namespace: str = opt("boltstream.", "prefix of every topic name")
+    partitions: int = opt(4, "partitions of topics created by boltstream")
+    replication_factor: int = opt(1, "replication factor of topics created by boltstream")
+    max_message_bytes: int = opt(1_000_000, "largest record produced; larger training batches are split")
+    schema_registry_url: str | None = opt(None, "Confluent-compatible schema registry (none: single-object Avro)")
+    s3_endpoint: str = opt("http://127.0.0.1:9000", "S3 / MinIO endpoint for checkpoints")
+    s3_bucket: str = opt("boltstream", "bucket for checkpoints")
+    s3_access_key: str = opt("boltstream", "S3 access key")
+    s3_secret_key: str = opt("boltstream-secret", "S3 secret key", secret=True)
+    s3_region: str = opt("us-east-1", "S3 region")
+    state_file: str = opt(DEFAULT_STATE_FILE, "state file of a running embedded stack (its addresses)")
 
     def __post_init__(self) -> None:
         if not self.bootstrap_servers.strip():
@@ -153,9 +179,10 @@ def load(
     return _resolve(cls, explicit, env, state, str(state_path))
 
 
-def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], state: Mapping[str, Any], state_path: str) -> C:
+def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], state: Mapping[str, Any],
+             state_path: str, parent_prefix: str = ENV_PREFIX) -> C:
     hints = typing.get_type_hints(cls)
-    prefix = getattr(cls, "env_prefix", ENV_PREFIX)
+    prefix = getattr(cls, "env_prefix", parent_prefix)
     from_state = getattr(cls, "from_state", ())
     kwargs: dict[str, Any] = {}
     # Where each field's value came from, so a validation error names what the user must change
@@ -167,9 +194,13 @@ def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], 
         typ = hints[f.name]
         if dataclasses.is_dataclass(typ):
             nested = explicit.get(f.name)
-            kwargs[f.name] = nested if nested is not None else _resolve(typ, explicit, env, state, state_path)
+            kwargs[f.name] = nested if nested is not None else _resolve(typ, explicit, env, state, state_path, prefix)
             continue
         var = f"{prefix}{f.name.upper()}"
+        if not f.metadata.get("cli", True):
+            if f.name in explicit:
+                kwargs[f.name] = explicit[f.name]
+            continue
         sources[f.name] = var  # a default that fails validation is fixed by setting the env var
         if f.name in explicit:
             sources[f.name] = f.name
@@ -230,3 +261,120 @@ def _coerce(name: str, value: Any, typ: Any, source: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise ConfigError(source, value, f"invalid value for {name}: {exc}") from exc
     return value
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One leaf setting of a config: its field, its type and the names users set it by."""
+
+    field: dataclasses.Field[Any]
+    type: Any
+    env: str
+    owner: type
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def knobs(cls: type, parent_prefix: str = ENV_PREFIX) -> Iterator[Knob]:
+    """Every leaf setting of ``cls``, nested configs included, with its environment variable."""
+    hints = typing.get_type_hints(cls)
+    prefix = getattr(cls, "env_prefix", parent_prefix)
+    nested = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            nested.append(typ)
+        elif f.metadata.get("cli", True):
+            yield Knob(f, typ, f"{prefix}{f.name.upper()}", cls)
+    for typ in nested:  # a component's own settings first, in --help too
+        yield from knobs(typ, prefix)
+
+
+def _is_bool(typ: Any) -> bool:
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        return bool in typing.get_args(typ)
+    return typ is bool
+
+
+def _choices(knob: Knob) -> tuple[str, ...] | None:
+    if knob.field.metadata.get("choices"):
+        return tuple(knob.field.metadata["choices"])
+    typ = knob.type
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(typ))
+    return None
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def flags_from_dataclass(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = (),
+                         settings_title: str = "broker, object store, schema registry") -> None:
+    """Add a flag for every setting of ``cls``: ``--field-name`` (``--x/--no-x`` for booleans).
+
+    Flags default to None ("not given") and stay strings: :func:`load` converts them and, on a bad
+    value, names the flag's field, exactly as for an environment variable. The help line of each
+    flag says its default and its environment variable. Settings of a nested config with its own
+    prefix (:class:`Settings`) go into their own help group; secrets get no flag.
+    """
+    groups: dict[type, Any] = {}
+    for knob in knobs(cls):
+        if knob.name in exclude or knob.field.metadata.get("secret"):
+            continue
+        owner_prefix = getattr(knob.owner, "env_prefix", None)
+        target: Any = parser
+        if owner_prefix is not None and owner_prefix != getattr(cls, "env_prefix", None):
+            target = groups.get(knob.owner) or groups.setdefault(
+                knob.owner, parser.add_argument_group(f"{settings_title} ({owner_prefix}*)"))
+        help_ = knob.field.metadata.get("help") or ""
+        default = "" if "(default" in help_ else f"default {_show(knob.default)}; "
+        help_ = f"{help_} ({default}env {knob.env})".strip()
+        if _is_bool(knob.type):
+            target.add_argument(knob.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            target.add_argument(knob.flag, default=None, choices=_choices(knob), help=help_,
+                                metavar=None if _choices(knob) else knob.name.upper())
+
+
+def to_argv(cls: type, values: Mapping[str, Any]) -> list[str]:
+    """The command-line flags that make ``cls``'s parser produce ``values`` (None = not given).
+
+    Used by ``boltstream train`` to start a component with a setting, so the component resolves
+    it exactly as if a user had typed the flag.
+    """
+    by_name = {k.name: k for k in knobs(cls)}
+    argv: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        knob = by_name.get(name)
+        if knob is None:
+            raise ConfigError(name, value, f"not a setting of {cls.__name__}")
+        if _is_bool(knob.type):
+            argv.append(knob.flag if value else "--no-" + knob.flag[2:])
+        else:
+            argv += [knob.flag, _show(value)]
+    return argv

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, flags_from_dataclass, load, opt
 from boltstream.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,27 +35,28 @@ class ServeConfig:
     env_prefix: ClassVar[str] = "BOLTSTREAM_SERVE_"
 
     settings: Settings = dataclasses.field(default_factory=Settings)
-    model: str = "smollm2"
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    backend: str = "transformers"
-    lora: bool = False
-    max_lora_rank: int = 64
-    dtype: str | None = None
-    device: str = "cpu"
-    seed: int = 0
-    max_batch_size: int = 16
-    batch_window_ms: float = 2.0
-    max_context: int | None = None
-    default_max_tokens: int = 256
-    policy_version: int = 0
-    capture: bool = True
-    reload: bool = True
-    checkpoint_model: str | None = None
-    workdir: str | None = None
-    gpu_memory_utilization: float = 0.85
-    log_level: str = "info"
+    model: str = opt("smollm2", "smollm2 | tiny | an HF model directory | a .gguf file")
+    served_model_name: str | None = opt(None, "name clients use in 'model' (default: derived from --model)")
+    host: str = opt("127.0.0.1", "listen address")
+    port: int = opt(8000, "listen port (0: any free port)")
+    backend: str = opt("transformers", "transformers (CPU) or vllm (GPU, extra [vllm])", choices=BACKENDS)
+    lora: bool = opt(False, "expect LoRA checkpoints (vLLM: enable_lora)")
+    max_lora_rank: int = opt(64, "vLLM: largest LoRA rank to accept")
+    dtype: str | None = opt(None, "torch dtype for the weights, e.g. bfloat16 (default: the checkpoint's)")
+    device: str = opt("cpu", "transformers backend device")
+    seed: int = opt(0, "seed of the tiny model's random weights")
+    max_batch_size: int = opt(16, "most sequences decoded together")
+    batch_window_ms: float = opt(2.0, "how long to collect concurrent requests into a batch")
+    max_context: int | None = opt(None, "context limit in tokens (default: the model's)")
+    default_max_tokens: int = opt(256, "max_tokens when a request gives none")
+    policy_version: int = opt(0, "version number of the weights loaded at start")
+    capture: bool = opt(True, "write LLM spans (--no-capture: no broker needed, NOT for training)")
+    reload: bool = opt(True, "follow the checkpoints topic and reload new versions")
+    checkpoint_model: str | None = opt(None, "model name in checkpoint events to follow (default: the served "
+                                             "name)")
+    workdir: str | None = opt(None, "where downloaded checkpoints go (default: a temporary directory)")
+    gpu_memory_utilization: float = opt(0.85, "vLLM: fraction of GPU memory to use")
+    log_level: str = opt("info", "debug | info | warning")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -76,31 +77,9 @@ class ServeConfig:
         return self.model if len(p.parts) == 1 and not p.suffix else p.stem
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream serve", description=__doc__.split("\n\n")[0])
-    a = p.add_argument
-    a("--model", help="smollm2 (default) | tiny | an HF model directory | a .gguf file")
-    a("--served-model-name", help="name clients use in 'model' (default: derived from --model)")
-    a("--host", help="listen address (default 127.0.0.1)")
-    a("--port", type=int, help="listen port (default 8000; 0 = any free port)")
-    a("--backend", choices=BACKENDS, help="transformers (CPU default) or vllm (GPU, extra [vllm])")
-    a("--lora", action="store_const", const=True, help="expect LoRA checkpoints (vLLM: enable_lora)")
-    a("--max-lora-rank", type=int, help="vLLM: largest LoRA rank to accept (default 64)")
-    a("--dtype", help="torch dtype for the weights, e.g. bfloat16 (default: the checkpoint's)")
-    a("--device", help="transformers backend device (default cpu)")
-    a("--seed", type=int, help="seed of the tiny model's random weights (default 0)")
-    a("--max-batch-size", type=int, help="most sequences decoded together (default 16)")
-    a("--batch-window-ms", type=float, help="how long to collect concurrent requests into a batch (default 2)")
-    a("--max-context", type=int, help="context limit in tokens (default: the model's)")
-    a("--default-max-tokens", type=int, help="max_tokens when a request gives none (default 256)")
-    a("--policy-version", type=int, help="version number of the weights loaded at start (default 0)")
-    a("--no-capture", dest="capture", action="store_const", const=False,
-      help="do not write LLM spans (no broker needed; NOT for training)")
-    a("--no-reload", dest="reload", action="store_const", const=False, help="ignore the checkpoints topic")
-    a("--checkpoint-model", help="model name in checkpoint events to follow (default: the served name)")
-    a("--workdir", help="where downloaded checkpoints go (default: a temporary directory)")
-    a("--gpu-memory-utilization", type=float, help="vLLM: fraction of GPU memory to use (default 0.85)")
-    a("--log-level", help="debug | info | warning (default info)")
+    flags_from_dataclass(p, ServeConfig)
     return p
 
 
@@ -143,7 +122,7 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     cfg = load(ServeConfig, explicit=vars(args))
     logging.getLogger().setLevel(cfg.log_level.upper())
     import uvicorn

@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 
-from .losses import LOSS_AGG_MODES
 from .step import StepConfig
 
 logger = logging.getLogger(__name__)
@@ -28,6 +27,13 @@ ZERO_STAGES = (0, 1, 2)
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
 
 
+# Every linear layer of the decoder (attention and MLP): with it at lr 1e-3 a bare loop lifted the
+# calculator's held-out accuracy 0.25 -> 0.66 in 8 steps (docs/learner.md).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Learning rates when none is given: adapters need a larger step than full weights to move at all.
+DEFAULT_LR = {"lora": 2e-4, "full": 1e-5}
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """What the learner trains, on what, how, and where results go (``boltstream learn --help``)."""
@@ -35,89 +41,80 @@ class LearnerConfig:
     env_prefix: ClassVar[str] = ENV_PREFIX
 
     settings: Settings = dataclasses.field(default_factory=Settings)
+    step: StepConfig = dataclasses.field(default_factory=StepConfig)
     # --- model
-    model: str = "smollm2"  # smollm2 | tiny | HF directory | .gguf (boltstream.weights.models.load_model)
-    model_name: str | None = None  # key of CheckpointEvents; default derived from `model` (as `serve` does)
-    seed: int = 0  # tiny model weights and the torch RNG
-    device: str = "cpu"
-    dtype: str | None = None  # e.g. bfloat16; None keeps the checkpoint's
+    model: str = opt("smollm2", "smollm2 | tiny | an HF model directory | a .gguf file")
+    model_name: str | None = opt(None, "model name in checkpoint events (default: derived from --model, as "
+                                       "`serve` does)")
+    seed: int = opt(0, "seed of the tiny model's weights, the LoRA init and the torch RNG")
+    device: str = opt("cpu", "torch device")
+    dtype: str | None = opt(None, "torch dtype of the weights, e.g. bfloat16 (default: the checkpoint's)")
     # --- LoRA (peft); off = full fine-tuning
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora: bool = opt(False, "train LoRA adapters (peft) instead of all weights")
+    lora_r: int = opt(16, "LoRA rank")
+    lora_alpha: int = opt(32, "LoRA alpha")
+    lora_dropout: float = opt(0.0, "LoRA dropout")
+    lora_targets: tuple[str, ...] = opt(LORA_TARGETS, "comma-separated module names that get adapters")
     # --- optimizer (AdamW on trainable parameters)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    lr_warmup_steps: int = 0  # linear ramp to lr over the first N steps (learner.step.warmup_lr)
+    lr: float | None = opt(None, f"learning rate (default {DEFAULT_LR['lora']} with --lora, "
+                                 f"{DEFAULT_LR['full']} for full weights)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW eps")
+    # Adam's first update moves every weight by ~lr whatever the gradient: at a full 1e-3, one step on 16
+    # rollouts broke the calculator's CALC format (a seed-0 demo run, training reward 0.53 -> 0.00).
+    lr_warmup_steps: int = opt(3, "ramp the lr linearly from lr/N to lr over the first N steps (0: none)")
     # --- what one step is made of
-    groups_per_step: int = 4  # K complete GRPO groups (TrainingBatch records) per optimizer step
-    max_staleness: int | None = 4  # drop samples more than this many policy versions old; None = keep all
-    drop_incomplete_groups: bool = False  # groups the stream app closed short (complete=false)
-    # --- the step (learner.step.StepConfig)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    loss_agg: str = "token-mean"
-    decoupled: bool = False
-    is_cap: float | None = 2.0
-    kl_coef: float = 0.0
-    # Activation memory grows with it (every layer's activations are kept for backward): SmolLM2 + LoRA,
-    # 16 samples of ~190 tokens, peaked at 6.7 GB RSS with 4,096 and 2.7 GB with 1,024; with adapters on
-    # every linear layer, 32 samples of 150-230 tokens: 8.0 GB at 2,048 (43 s a step), 4.2 GB at 1,024
-    # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU.
-    max_tokens_per_micro_batch: int = 1024
-    max_grad_norm: float | None = 1.0
-    logprob_chunk_size: int = 1024
-    temperature: float = 1.0
+    groups_per_step: int = opt(4, "K: complete GRPO groups (TrainingBatch records) per optimizer step")
+    max_staleness: int | None = opt(4, "drop samples more than this many policy versions old (none: keep all)")
+    drop_incomplete_groups: bool = opt(False, "drop groups the stream app closed short (complete=false)")
     # --- checkpoints
-    run: str | None = None  # S3 prefix of this run's versions; default "<namespace>/<model_name>"
-    checkpoint_every: int = 10
-    keep_last: int = 3
-    # Full checkpoints: the dtype workers download (e.g. bfloat16: half the bytes of fp32, the reload
-    # time's main cost). The exact weights then travel with the training state, so resume stays exact.
-    publish_dtype: str | None = None
-    checkpoint_on_exit: bool = True  # on max_steps / SIGTERM, publish the steps since the last one
-    resume: bool = True  # start from the run's newest complete checkpoint when there is one
-    workdir: str | None = None  # local scratch for checkpoint files (default: a temporary directory)
+    run: str | None = opt(None, "S3 prefix of this run's checkpoints (default <namespace>/<model name>)")
+    checkpoint_every: int = opt(10, "publish a checkpoint every N steps")
+    keep_last: int = opt(3, "checkpoint versions kept in S3")
+    # The exact weights then travel with the training state, so resume stays exact.
+    publish_dtype: str | None = opt(None, "full checkpoints: the dtype workers download, e.g. bfloat16 (half "
+                                          "the bytes); the exact weights go with the training state",
+                                    choices=PUBLISH_DTYPES)
+    checkpoint_on_exit: bool = opt(True, "on max_steps or SIGTERM, publish the steps since the last checkpoint")
+    resume: bool = opt(True, "start from the run's newest complete checkpoint when there is one")
+    workdir: str | None = opt(None, "local scratch for checkpoint files (default: a temporary directory)")
     # --- when to stop
-    max_steps: int | None = None  # total learner steps (counting those before a resume)
-    idle_exit_s: float | None = None  # stop when no record arrived for this long (tests, batch jobs)
+    max_steps: int | None = opt(None, "stop after this many learner steps in total, resumed ones included")
+    idle_exit_s: float | None = opt(None, "stop when no record arrived for this many seconds")
     # --- bookkeeping
-    max_pending_batches: int = 1000  # incomplete split batches held before the oldest is dropped
-    dedupe_window: int = 100_000  # batch/sample ids remembered (and checkpointed) to drop duplicates
-    poll_ms: int = 500
+    max_pending_batches: int = opt(1000, "incomplete split batches held before the oldest is dropped")
+    dedupe_window: int = opt(100_000, "batch/sample ids remembered (and checkpointed) to drop duplicates")
+    poll_ms: int = opt(500, "broker poll timeout")
     # --- metrics
-    metrics_path: str | None = None  # JSONL, one line per step / checkpoint / resume
-    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:<port> (0 = any free port)
-    metrics_host: str = "127.0.0.1"
+    metrics_path: str | None = opt(None, "append one JSON line per step / checkpoint / resume here")
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
+    metrics_host: str = opt("127.0.0.1", "address of the /metrics server")
     # --- DeepSpeed ZeRO (extra [deepspeed]); ranks from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-    deepspeed: bool = False
-    zero_stage: int = 1
-    ds_shm_comm: bool = False  # DeepSpeed's CPU shared-memory allreduce: a ~2 min JIT build on first use
-    dist_timeout_s: float = 7 * 24 * 3600.0  # followers wait this long for rank 0 (it may idle on Kafka)
-    log_level: str = "info"
+    deepspeed: bool = opt(False, "DeepSpeed ZeRO backend (extra [deepspeed]); ranks from "
+                                 "RANK/WORLD_SIZE/MASTER_*")
+    zero_stage: int = opt(1, "ZeRO stage 0, 1 or 2")
+    ds_shm_comm: bool = opt(False, "DeepSpeed's CPU shared-memory allreduce (a ~2 min JIT build on first use)")
+    dist_timeout_s: float = opt(7 * 24 * 3600.0, "followers wait this long for rank 0 (it may idle on Kafka)")
+    log_level: str = opt("info", "debug | info | warning")
 
     def __post_init__(self) -> None:
-        positive = ("groups_per_step", "checkpoint_every", "keep_last", "max_tokens_per_micro_batch",
-                    "logprob_chunk_size", "lora_r", "max_pending_batches", "dedupe_window", "poll_ms")
+        if self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.kind])
+        positive = ("groups_per_step", "checkpoint_every", "keep_last", "lora_r", "max_pending_batches",
+                    "dedupe_window", "poll_ms")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         if self.lr_warmup_steps < 0:
             raise ConfigError("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
-        if self.lr <= 0:
+        if self.lr <= 0:  # type: ignore[operator]  # set above
             raise ConfigError("lr", self.lr, "must be > 0")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError("max_staleness", self.max_staleness, "must be >= 0 (or none for no limit)")
         if self.max_steps is not None and self.max_steps < 0:
             raise ConfigError("max_steps", self.max_steps, "must be >= 0")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ConfigError("loss_agg", self.loss_agg, f"one of {', '.join(LOSS_AGG_MODES)}")
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError("zero_stage", self.zero_stage,
                               "0, 1 or 2 (stage 3 shards the weights, which checkpoints do not gather)")
@@ -155,13 +152,13 @@ class LearnerConfig:
         return "lora" if self.lora else "full"
 
     def step_config(self, pad_token_id: int = 0) -> StepConfig:
-        """The :class:`StepConfig` these knobs describe."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(StepConfig) if hasattr(self, f.name)}
-        return StepConfig(**{**shared, "pad_token_id": pad_token_id})
+        """The step settings with the tokenizer's pad id (known only once the model is loaded)."""
+        return dataclasses.replace(self.step, pad_token_id=pad_token_id)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view without credentials (logged at start, stored in checkpoints)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("settings", "step")}
+        out.update(dataclasses.asdict(self.step))
         out["lora_targets"] = list(self.lora_targets)
         out["run"] = self.run_name
         out["model_name"] = self.name

@@ -160,7 +160,7 @@ class DeepSpeedTrainer:
             "gradient_accumulation_steps": 1,  # micro-batches are ours: see the boundary flag in _step
             "zero_optimization": {"stage": cfg.zero_stage},
             "zero_allow_untested_optimizer": True,  # torch AdamW: no compiled fused optimizer needed
-            "gradient_clipping": cfg.max_grad_norm or 0.0,
+            "gradient_clipping": cfg.step.max_grad_norm or 0.0,
             "bf16": {"enabled": cfg.dtype == "bfloat16"},
             "steps_per_print": 10**9,
         }

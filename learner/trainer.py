@@ -72,7 +72,7 @@ def reference_model(cfg: LearnerConfig, model: torch.nn.Module) -> torch.nn.Modu
     needs none at all. Built from the *initial* weights, so it is the base model also
     after a resume (``model`` is copied before any checkpoint is loaded).
     """
-    if cfg.kl_coef == 0.0 or cfg.lora:
+    if cfg.step.kl_coef == 0.0 or cfg.lora:
         return None
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():

@@ -24,13 +24,15 @@ import signal
 import time
 from typing import Any, ClassVar
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, flags_from_dataclass, load, opt
 
 from .consuming import DeadLetterWriter
 from .normalise import normalise
 from .otlp_decode import OtlpDecodeError, decode
 
 log = logging.getLogger(__name__)
+
+ENCODINGS = ("auto", "otlp_proto", "otlp_json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +41,16 @@ class IngestConfig:
 
     env_prefix: ClassVar[str] = "BOLTSTREAM_INGEST_"
     settings: Settings = dataclasses.field(default_factory=Settings)
-    topic: str = "otlp_spans"
-    encoding: str = "auto"
-    group_id: str | None = None
-    exit_when_idle_s: float | None = None
+    topic: str = opt("otlp_spans", "topic the Collector writes (not namespaced)")
+    encoding: str = opt("auto", "message encoding; auto detects it per message", choices=ENCODINGS)
+    group_id: str | None = opt(None, "consumer group (default <namespace>otlp-ingest)")
+    exit_when_idle_s: float | None = opt(None, "exit after this long with nothing to read")
 
     def __post_init__(self) -> None:
         from boltstream.errors import ConfigError
 
-        if self.encoding not in ("auto", "otlp_proto", "otlp_json"):
-            raise ConfigError("encoding", self.encoding, "one of auto, otlp_proto, otlp_json")
+        if self.encoding not in ENCODINGS:
+            raise ConfigError("encoding", self.encoding, f"one of {', '.join(ENCODINGS)}")
 
     @property
     def group(self) -> str:
@@ -135,21 +137,16 @@ class OtlpIngest:
         return futures
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream ingest", description="Re-emit spans written by other tools.")
     sub = p.add_subparsers(dest="source", required=True)
     o = sub.add_parser("otlp", help="OTLP spans from an OpenTelemetry Collector's kafka exporter")
-    o.add_argument("--topic", default=None, help="topic the Collector writes (default otlp_spans)")
-    o.add_argument("--encoding", default=None, choices=("auto", "otlp_proto", "otlp_json"))
-    o.add_argument("--group-id", default=None)
-    o.add_argument("--exit-when-idle-s", type=float, default=None)
-    o.add_argument("--bootstrap-servers", default=None)
-    o.add_argument("--namespace", default=None)
+    flags_from_dataclass(o, IngestConfig)
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = vars(_parser().parse_args(argv))
+    args = vars(parser().parse_args(argv))
     args.pop("source")
     config = load(IngestConfig, args)
     return asyncio.run(_main(config))

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, ClassVar
 
-from boltstream.config import Settings, load
+from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load, opt
 from boltstream.errors import ConfigError
 
 from .agent import AgentInvoker, load_agent
@@ -50,19 +50,21 @@ class RunnerConfig:
 
     env_prefix: ClassVar[str] = "BOLTSTREAM_RUNNER_"
     settings: Settings = dataclasses.field(default_factory=Settings)
-    agent: str = ""
-    workers: int = 4
-    group_size: int = 4
-    base_url: str | None = None
-    agent_name: str | None = None
-    group_id: str | None = None
-    run_id: str | None = None
-    rollout_timeout_s: float = 600.0
-    revoke_grace_s: float = 2.0
-    max_abandoned: int = 8
-    max_inflight_tasks: int | None = None
-    exit_when_idle_s: float | None = None
-    tasks_per_version: int | None = None  # start at most this many tasks per served policy version
+    agent: str = opt("", "the agent function: module:function or path/to/file.py:function")
+    workers: int = opt(4, "attempts running at once in this process")
+    group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task when the task does not say")
+    base_url: str | None = opt(None, "OpenAI base URL of an inference worker, e.g. http://127.0.0.1:8000/v1")
+    agent_name: str | None = opt(None, "boltstream.agent_name on every rollout (default: the function's name)")
+    group_id: str | None = opt(None, "consumer group (default <namespace>runners)")
+    run_id: str | None = opt(None, "prefix for attempt ids, for a deliberate second pass over the same tasks")
+    rollout_timeout_s: float = opt(600.0, "time limit per attempt")
+    revoke_grace_s: float = opt(2.0, "on rebalance, wait this long for running tasks")
+    max_abandoned: int = opt(8, "hung sync agent threads tolerated before exiting 3")
+    max_inflight_tasks: int | None = opt(None, "tasks fetched ahead of the workers (default: enough for "
+                                               "every worker, plus one)")
+    exit_when_idle_s: float | None = opt(None, "exit after this long with nothing to do")
+    tasks_per_version: int | None = opt(None, "start at most N tasks per policy version the worker serves "
+                                              "(pace the runner to the learner)")
 
     def __post_init__(self) -> None:
         if not self.agent:
@@ -309,29 +311,14 @@ class Runner:
         await self._commit()
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream runner", description="Run an agent on tasks from the tasks topic.")
-    p.add_argument("--agent", required=True, help="module:function or path/to/file.py:function")
-    p.add_argument("--workers", type=int, help="attempts running at once in this process (default 4)")
-    p.add_argument("--group-size", type=int, help="attempts per task when the task does not say (default 4)")
-    p.add_argument("--base-url", help="OpenAI base URL of an inference worker, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--agent-name", help="boltstream.agent_name on every rollout (default: the function's name)")
-    p.add_argument("--group-id", help="consumer group (default <namespace>runners)")
-    p.add_argument("--run-id", help="prefix for attempt ids, for a deliberate second pass over the same tasks")
-    p.add_argument("--rollout-timeout-s", type=float, help="time limit per attempt (default 600)")
-    p.add_argument("--revoke-grace-s", type=float, help="on rebalance, wait this long for running tasks")
-    p.add_argument("--max-abandoned", type=int, help="hung sync agent threads tolerated before exiting 3")
-    p.add_argument("--max-inflight-tasks", type=int, help="tasks fetched ahead of the workers")
-    p.add_argument("--tasks-per-version", type=int,
-                   help="start at most N tasks per policy version the worker serves (pace to the learner)")
-    p.add_argument("--exit-when-idle-s", type=float, help="exit after this long with nothing to do")
-    p.add_argument("--bootstrap-servers")
-    p.add_argument("--namespace")
+    flags_from_dataclass(p, RunnerConfig)
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = vars(_parser().parse_args(argv))
+    args = vars(parser().parse_args(argv))
     config = load(RunnerConfig, args)
     code, abandoned = asyncio.run(_main(config))
     if abandoned:  # hung agent threads would block interpreter exit forever: leave now

@@ -30,11 +30,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from boltstream.config import Settings, load
+from boltstream.config import DEFAULT_GROUP_SIZE, Settings, load, opt
 from boltstream.errors import ConfigError
 
 from .air import DEFAULT_AIR_RULES, AirRule, air_rules_from_yaml
-from .settings import LOSS_WEIGHT_MODES, AssemblyConfig, CreditConfig
+from .settings import AssemblyConfig, CreditConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,39 +44,32 @@ BATCH_HEADROOM_BYTES = 16_384
 
 @dataclasses.dataclass(frozen=True)
 class StreamConfig:
-    """``BOLTSTREAM_STREAM_*`` knobs plus :class:`Settings` (see the module docstring)."""
+    """``BOLTSTREAM_STREAM_*`` knobs, the credit settings and :class:`Settings` (see the module docstring)."""
 
     env_prefix: ClassVar[str] = "BOLTSTREAM_STREAM_"
     settings: Settings = dataclasses.field(default_factory=Settings)
-    app_id: str | None = None
-    store: str = "memory://"
-    grace_s: float = 0.0
-    rollout_timeout_s: float = 300.0
-    group_timeout_s: float = 600.0
-    group_size: int = 4
-    forget_after_s: float = 3600.0
-    tick_s: float = 0.5
-    commit_interval_s: float = 1.0
+    credit: CreditConfig = dataclasses.field(default_factory=CreditConfig)
+    app_id: str | None = opt(None, "faust app id = consumer group; workers with the same id split the "
+                                   "partitions (default '<namespace>stream')")
+    store: str = opt("memory://", "faust table store URL (memory:// or rocksdb://)")
+    grace_s: float = opt(0.0, "after a rollout's root span, wait this long for out-of-band spans")
+    rollout_timeout_s: float = opt(300.0, "close a rollout with no root span after this long without spans")
+    group_timeout_s: float = opt(600.0, "emit a group still short of group_size attempts after this long")
+    group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task = GRPO group size")
+    forget_after_s: float = opt(3600.0, "how long 'already emitted' markers drop late duplicates")
+    tick_s: float = opt(0.5, "timer period for timeouts")
+    commit_interval_s: float = opt(1.0, "offset commit period")
     # Assembly (AssemblyConfig)
-    agent_match: str | None = None
-    air_rules_file: str | None = None
-    require_logprobs: bool = True
-    # Credit assignment (CreditConfig)
-    gamma: float = 1.0
-    eps: float = 1e-6
-    std_normalize: bool = True
-    std_unbiased: bool = True
-    loss_weight: str = "none"
-    trajectory_mode: bool = False
-    failure_reward: float = 0.0
-    call_credit: str = "return"
-    # Batch parts are sized below this many bytes (default: the broker's max message size minus headroom).
-    max_batch_bytes: int | None = None
-    # Skip faust's four-task-per-record wait in the consumer loop when nothing can block (streams.fastpath).
-    fast_consumer: bool = True
-    log_every_s: float = 30.0
-    # Write a profile of the whole worker process here on exit (yappi, all threads, if installed; else cProfile).
-    profile: str | None = None
+    agent_match: str | None = opt(None, "regex over agent names: train only the calls of matching agents")
+    air_rules_file: str | None = opt(None, "YAML file of AIR rules (default: the built-in rules)")
+    require_logprobs: bool = opt(True, "drop calls recorded without behaviour log-probs")
+    max_batch_bytes: int | None = opt(None, "size limit of one TrainingBatch part (default: the broker's max "
+                                            "message size minus headroom)")
+    fast_consumer: bool = opt(True, "skip faust's four-task-per-record wait when nothing can block "
+                                    "(streams.fastpath); --no-fast-consumer uses faust's stock delivery")
+    log_every_s: float = opt(30.0, "period of the worker's progress log line")
+    profile: str | None = opt(None, "write a profile of the worker (yappi if installed, else cProfile) "
+                                    "here on exit")
 
     def __post_init__(self) -> None:
         positive = ("rollout_timeout_s", "group_timeout_s", "forget_after_s", "tick_s", "commit_interval_s")
@@ -87,18 +80,15 @@ class StreamConfig:
             raise ConfigError("grace_s", self.grace_s, "must be >= 0")
         if self.group_size < 1:
             raise ConfigError("group_size", self.group_size, "must be >= 1")
-        if self.loss_weight not in LOSS_WEIGHT_MODES:
-            raise ConfigError("loss_weight", self.loss_weight, f"one of {', '.join(LOSS_WEIGHT_MODES)}")
         if not self.store.startswith(("memory://", "rocksdb://", "aerospike://")):
             raise ConfigError("store", self.store, "a faust store URL such as memory://")
         if self.max_batch_bytes is not None and self.max_batch_bytes < 1024:
             raise ConfigError("max_batch_bytes", self.max_batch_bytes, "must be >= 1024")
         if self.air_rules_file is not None and not Path(self.air_rules_file).is_file():
             raise ConfigError("air_rules_file", self.air_rules_file, "no such file")
-        # Build both pure-core configs now so their own validation fails at start-up.
+        # Build the assembly config now so its own validation (the agent_match regex) fails at start-up.
         try:
             self.assembly_config()
-            self.credit_config()
         except ValueError as exc:
             raise ConfigError("stream config", str(exc), "invalid") from exc
 
@@ -123,18 +113,6 @@ class StreamConfig:
     def assembly_config(self) -> AssemblyConfig:
         return AssemblyConfig(
             agent_match=self.agent_match, air_rules=self.air_rules(), require_logprobs=self.require_logprobs
-        )
-
-    def credit_config(self) -> CreditConfig:
-        return CreditConfig(
-            gamma=self.gamma,
-            eps=self.eps,
-            std_normalize=self.std_normalize,
-            std_unbiased=self.std_unbiased,
-            loss_weight=self.loss_weight,  # type: ignore[arg-type]  # checked in __post_init__
-            trajectory_mode=self.trajectory_mode,
-            failure_reward=self.failure_reward,
-            call_credit=self.call_credit,  # type: ignore[arg-type]  # CreditConfig validates it
         )
 
 

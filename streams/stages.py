@@ -182,7 +182,7 @@ class GroupStage(_Stage):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.credit = self.config.credit_config()
+        self.credit = self.config.credit
         self.out_topic = self.config.settings.topic("batches")
 
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:

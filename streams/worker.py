@@ -113,7 +113,7 @@ def run_worker(config: StreamConfig, loglevel: str = "info") -> int:
         config.rollout_timeout_s,
         config.group_timeout_s,
     )
-    log.info("credit: %s", config.credit_config())
+    log.info("credit: %s", config.credit)
     tune_gc()
     worker = faust.Worker(
         stream_app.faust,

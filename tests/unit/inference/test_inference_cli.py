@@ -8,11 +8,11 @@ import pytest
 
 from boltstream.config import load
 from boltstream.errors import BoltstreamError, ConfigError
-from boltstream.inference.cli import ServeConfig, _parser
+from boltstream.inference.cli import ServeConfig, parser
 
 
 def _cfg(argv: list[str], env: dict[str, str] | None = None) -> ServeConfig:
-    return load(ServeConfig, explicit=vars(_parser().parse_args(argv)), env=env or {}, state_file="/nonexistent")
+    return load(ServeConfig, explicit=vars(parser().parse_args(argv)), env=env or {}, state_file="/nonexistent")
 
 
 def test_flags_env_and_defaults() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from boltstream.config import load
 from boltstream.errors import ConfigError
 from boltstream.learner.cli import parser
 from boltstream.learner.config import LearnerConfig, load_config
@@ -32,7 +33,7 @@ def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(t
                                               ("lr_warmup_steps", -1), ("publish_dtype", "fp8")])
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
-        LearnerConfig(**{field: value})
+        load(LearnerConfig, {field: value}, env={})
 
 
 def test_every_field_is_a_flag_and_flags_reach_the_config(tmp_path: Path) -> None:

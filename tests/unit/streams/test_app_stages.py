@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from boltstream.config import Settings
+from boltstream.config import Settings, load
 from boltstream.errors import ConfigError
 from boltstream.schemas import Codec
 from boltstream.streams.config import StreamConfig
@@ -61,7 +61,7 @@ class Msg:
 
 def make(stage_cls: type, auto_ack: bool = True, **knobs: Any) -> tuple[Any, FakeApp]:
     app = FakeApp(auto_ack)
-    config = StreamConfig(settings=Settings(namespace="u."), **knobs)
+    config = load(StreamConfig, {"settings": Settings(namespace="u."), **knobs}, env={})
     items = ChangelogMap(app, f"{stage_cls.kind}-items", "", 4)
     markers = ChangelogMap(app, f"{stage_cls.kind}-markers", "", 4)
     dlq = DeadLetters(app, CODEC, "u.dlq", 1_000_000)
@@ -215,7 +215,8 @@ async def test_group_emits_when_full_and_ignores_replays_and_late_attempts() -> 
     await stage.on_record(Msg(trajectory_bytes(1, 0.0)), 1.0)
     await settle()
     batch = CODEC.decode(app.producer.to("u.batches")[0][2], expect="TrainingBatch")
-    assert batch["complete"] and [s["advantage"] for s in batch["samples"]] == pytest.approx([0.7071061, -0.7071061])
+    # returns 1 and 0: advantage = return - group mean (no std division by default)
+    assert batch["complete"] and [s["advantage"] for s in batch["samples"]] == pytest.approx([0.5, -0.5])
     await stage.on_record(Msg(trajectory_bytes(2, 0.5)), 1.0)
     assert len(app.producer.to("u.batches")) == 1 and stage.stats["late"] == 1
 
@@ -237,7 +238,7 @@ async def test_group_timeout_emits_an_incomplete_group() -> None:
 )
 def test_stream_config_rejects_bad_values(knobs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
-        StreamConfig(**knobs)
+        load(StreamConfig, knobs, env={})
 
 
 def test_stream_config_from_env() -> None:

@@ -70,11 +70,11 @@ def test_group_baseline_sample_and_population_std() -> None:
 
 
 def test_grpo_advantage_with_and_without_std() -> None:
-    cfg = CreditConfig(eps=1e-6)
+    cfg = CreditConfig(std_normalize=True, eps=1e-6)
     assert grpo_advantage(1.0, 0.5, 0.5, cfg) == pytest.approx(0.5 / 0.500001)
     assert grpo_advantage(0.0, 0.5, 0.5, CreditConfig(std_normalize=False)) == -0.5
     assert grpo_advantage(0.3, 0.3, 0.0, cfg) == 0.0
-    assert grpo_advantage(1.0, 0.0, 0.0, CreditConfig(eps=0.0)) == 0.0  # no spread, no eps: no signal
+    assert grpo_advantage(1.0, 0.0, 0.0, CreditConfig(std_normalize=True, eps=0.0)) == 0.0  # no spread, no eps: no signal
 
 
 def test_group_advantages_with_std() -> None:
@@ -84,7 +84,7 @@ def test_group_advantages_with_std() -> None:
         trajectory("c", [turn(0, [1], [4])], final_reward=0.0),
         trajectory("d", [turn(0, [1], [5])], final_reward=1.0),
     ]
-    credit = group_credit(group, CreditConfig(eps=1e-6))
+    credit = group_credit(group, CreditConfig(std_normalize=True, eps=1e-6))
     std = math.sqrt(1 / 3)  # see test_group_baseline_sample_and_population_std
     assert (credit.mean, credit.std) == pytest.approx((0.5, std))
     assert [s["advantage"] for s in credit.samples] == pytest.approx(
@@ -99,11 +99,11 @@ def test_group_without_spread_gives_zero_advantage_even_with_intermediate_reward
     # Both attempts: AIR +0.1 on the first call, final 0 -> G = [0.1, 0.0], episode returns 0.1 and 0.1.
     group = [trajectory(a, [turn(0, [1], [2], rewards=[0.1]), turn(1, [1, 2, 9], [3])], final_reward=0.0)
              for a in ("a", "b")]
-    credit = group_credit(group, CreditConfig(eps=1e-6))
+    credit = group_credit(group, CreditConfig(std_normalize=True, eps=1e-6))
     assert credit.std == 0.0
     # (0.0 - 0.1) / (0 + 1e-6) would be -1e5 for the second calls
     assert [s["advantage"] for s in credit.samples] == [0.0, 0.0, 0.0, 0.0]
-    assert grpo_advantage(1.1, 1.0, 5e-7, CreditConfig(eps=1e-6)) == 0.0
+    assert grpo_advantage(1.1, 1.0, 5e-7, CreditConfig(std_normalize=True, eps=1e-6)) == 0.0
 
 
 def test_episode_call_credit_gives_every_call_the_rollout_advantage() -> None:
@@ -113,8 +113,8 @@ def test_episode_call_credit_gives_every_call_the_rollout_advantage() -> None:
         # G = [0.0], episode return 0.0
         trajectory("b", [turn(0, [1], [4])], final_reward=0.0),
     ]
-    per_call = group_credit(group, CreditConfig(eps=0.0, std_unbiased=False))
-    episode = group_credit(group, CreditConfig(eps=0.0, std_unbiased=False, call_credit="episode"))
+    per_call = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False))
+    episode = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False, call_credit="episode"))
     # mean 0.55, population std 0.55
     assert [s["advantage"] for s in per_call.samples] == pytest.approx([1.0, 0.45 / 0.55, -1.0])
     assert [s["advantage"] for s in episode.samples] == pytest.approx([1.0, 1.0, -1.0])
@@ -132,7 +132,7 @@ def test_group_with_gamma_intermediate_rewards_and_a_failure() -> None:
         # C: r = [0.5], final 0.5: G0 = 0.5 + 0.5 = 1.0
         trajectory("C", [turn(0, [1], [5], rewards=[0.5])], final_reward=0.5),
     ]
-    credit = group_credit(group, CreditConfig(gamma=0.5, eps=0.0, std_unbiased=False))
+    credit = group_credit(group, CreditConfig(std_normalize=True, gamma=0.5, eps=0.0, std_unbiased=False))
     # episode returns 0.3, 0.0, 1.0 -> mean 1.3 / 3
     # deviations -0.4/3, -1.3/3, 1.7/3 -> squares sum (0.16 + 1.69 + 2.89) / 9 = 4.74 / 9
     # population variance 4.74 / 27
@@ -232,6 +232,6 @@ def test_trajectory_mode_does_not_merge_across_policy_versions_or_agents() -> No
 def test_group_credit_counts_a_repeated_attempt_once() -> None:
     a = trajectory("a", [turn(0, [1], [2])], final_reward=1.0)
     b = trajectory("b", [turn(0, [1], [3])], final_reward=0.0)
-    credit = group_credit([a, b, a], CreditConfig(std_unbiased=False, eps=0.0))
+    credit = group_credit([a, b, a], CreditConfig(std_normalize=True, std_unbiased=False, eps=0.0))
     assert [s["sample_id"] for s in credit.samples] == ["a:0", "b:0"]
     assert [s["advantage"] for s in credit.samples] == [1.0, -1.0]  # mean 0.5, population std 0.5

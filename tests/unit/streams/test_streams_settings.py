@@ -9,7 +9,7 @@ from boltstream.streams import DEFAULT_AIR_RULES, AirRule, AssemblyConfig, Credi
 
 def test_defaults() -> None:
     credit = CreditConfig()
-    assert (credit.gamma, credit.eps, credit.std_normalize, credit.std_unbiased) == (1.0, 1e-6, True, True)
+    assert (credit.gamma, credit.eps, credit.std_normalize, credit.std_unbiased) == (1.0, 1e-6, False, True)
     assert (credit.loss_weight, credit.trajectory_mode, credit.failure_reward) == ("none", False, 0.0)
     assembly = AssemblyConfig()
     assert (assembly.agent_match, assembly.air_rules, assembly.require_logprobs) == (None, DEFAULT_AIR_RULES, True)
@@ -40,7 +40,7 @@ def test_air_rules_list_becomes_tuple() -> None:
     ],
 )
 def test_credit_validation_names_the_field(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ValueError, match=f"^{field}="):
         CreditConfig(**kwargs)
 
 
