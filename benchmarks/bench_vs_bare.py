@@ -192,11 +192,12 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     cfg = PipelineConfig(
         agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
-        groups_per_step=args.groups_per_step, steps=args.steps, time_budget_s=args.pipeline_budget,
-        eval_samples=args.eval_samples, lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, temperature=args.temperature,
-        call_credit="episode", std_normalize=False,
+        steps=args.steps, time_budget_s=args.pipeline_budget, eval_samples=args.eval_samples,
         tasks_per_version=args.groups_per_step,
-        air_rules=ROOT / "examples" / "calc" / "air.yaml",
+        # explicit, so the benchmark stays fixed if the components' defaults move
+        learner={"groups_per_step": args.groups_per_step, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps},
+        stream={"call_credit": "episode", "std_normalize": False,
+                "air_rules_file": ROOT / "examples" / "calc" / "air.yaml"},
         extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),
     )
     summary = run(cfg)

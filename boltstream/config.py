@@ -331,18 +331,19 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def flags_from_dataclass(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = (),
+def flags_from_dataclass(parser: Any, cls: type, *, only: tuple[str, ...] | None = None,
                          settings_title: str = "broker, object store, schema registry") -> None:
     """Add a flag for every setting of ``cls``: ``--field-name`` (``--x/--no-x`` for booleans).
 
     Flags default to None ("not given") and stay strings: :func:`load` converts them and, on a bad
     value, names the flag's field, exactly as for an environment variable. The help line of each
     flag says its default and its environment variable. Settings of a nested config with its own
-    prefix (:class:`Settings`) go into their own help group; secrets get no flag.
+    prefix (:class:`Settings`) go into their own help group; secrets get no flag. ``only`` picks
+    some settings (``boltstream train`` offers a few of each component's).
     """
     groups: dict[type, Any] = {}
     for knob in knobs(cls):
-        if knob.name in exclude or knob.field.metadata.get("secret"):
+        if (only is not None and knob.name not in only) or knob.field.metadata.get("secret"):
             continue
         owner_prefix = getattr(knob.owner, "env_prefix", None)
         target: Any = parser

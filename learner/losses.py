@@ -26,10 +26,11 @@ from typing import Literal
 
 import torch
 
+from .config import LOSS_AGG_MODES
+
 logger = logging.getLogger(__name__)
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 # --------------------------------------------------------------------------- log-probs

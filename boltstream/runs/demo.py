@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.errors import BoltstreamError
-from boltstream.runs.pipeline import PipelineConfig, Processes
-from boltstream.runs.train import _common, add_arguments, print_summary, run, stop_on_sigterm
+from boltstream.runs.pipeline import Processes
+from boltstream.runs.train import add_arguments, config_from_args, print_summary, run, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="boltstream demo", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.add_argument("--no-live", action="store_true", help="plain log output instead of the live table")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="the calculator agent's sampling temperature (the learner reads it from each span)")
     args = p.parse_args(argv)
     data = Path(args.out or "out/demo") / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -90,27 +92,28 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     from examples.calc.tasks import train_test
 
-    train, test = train_test(n_train=256, n_test=32, seed=args.seed or 0)
+    train, test = train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     import json
 
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    kwargs = _common(args, Path("out/demo"))
-    kwargs.setdefault("air_rules", REPO / "examples" / "calc" / "air.yaml")
-    # Sized for 15 minutes on 2 CPU cores, evaluation included.
-    # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
-    # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
-    kwargs.setdefault("call_credit", "episode")
-    # lr 1e-3 on every linear layer's adapter (after PipelineConfig's 3-step warmup, no std division),
-    # 8 steps of 4 groups x 4: four seeds went 0.25 -> 0.77 held-out (README).
-    for key, value in (("steps", 8), ("groups_per_step", 4), ("group_size", 4), ("eval_tasks", 32),
-                       ("eval_samples", 2), ("time_budget_s", 840.0), ("lr", 1e-3)):
-        kwargs.setdefault(key, value)
-    # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
-    kwargs.setdefault("tasks_per_version", kwargs["groups_per_step"])
-    cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
-                         extra_env=(("PYTHONPATH", str(REPO)),
-                                    ("CALC_TEMPERATURE", str(kwargs.get("temperature", 0.7)))), **kwargs)
+    # Sized for 15 minutes on 2 CPU cores, evaluation included: 8 steps of 4 groups x 4, lr 1e-3 on every
+    # linear layer's adapter after the learner's 3-step warmup, no std division: four seeds went
+    # 0.25 -> 0.77 held-out (README). Every call of a rollout shares its advantage: the calculator's AIR
+    # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
+    # returns (streams/credit.py).
+    groups_per_step = int(args.groups_per_step or 4)
+    cfg = config_from_args(
+        args, Path("out/demo"), agent="examples.calc.agent:solve", train=data / "train.jsonl",
+        test=data / "test.jsonl", steps=args.steps or 8, group_size=args.group_size or 4,
+        eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
+        time_budget_s=args.time_budget or 840.0,
+        # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
+        tasks_per_version=args.tasks_per_version or groups_per_step,
+        learner={"lr": 1e-3, "groups_per_step": groups_per_step},
+        stream={"call_credit": "episode", "air_rules_file": REPO / "examples" / "calc" / "air.yaml"},
+        extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", str(args.temperature))),
+    )
     stop_on_sigterm()
     if args.no_live:
         summary = run(cfg, external=args.external)

@@ -8,6 +8,7 @@ watches and stops them; it holds no training logic.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -19,19 +20,32 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from boltstream.config import Settings
+from boltstream.config import Settings, load, to_argv
 from boltstream.errors import BoltstreamError
+from boltstream.learner.cli import parser as learner_parser
+from boltstream.learner.config import LearnerConfig
+from boltstream.streams.cli import parser as stream_parser
+from boltstream.streams.config import StreamConfig
 
 log = logging.getLogger(__name__)
+
+# The name the worker serves and the learner publishes checkpoints under; agents ask for it.
+MODEL_NAME = "policy"
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """One training run of one agent."""
+    """One training run of one agent: what the run itself decides, and overrides of component settings.
+
+    The components' settings are NOT copied here: ``stream`` and ``learner`` name only what this run
+    changes (field name -> value), everything else keeps the component's own default, the same one it
+    has when started by hand or by docker compose. That is what keeps ``boltstream train`` and a
+    hand-run pipeline training the same way.
+    """
 
     agent: str
     train: Path
@@ -39,50 +53,66 @@ class PipelineConfig:
     out: Path
     model: str = "smollm2"
     lora: bool = True
-    # Every linear layer of the decoder (attention and MLP), as in the issue's reference loop: with it at
-    # lr 1e-3 a bare loop lifted the calculator's held-out accuracy 0.25 -> 0.66 in 8 steps (docs/learner.md).
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    group_size: int = 4
-    groups_per_step: int = 4
+    group_size: int | None = None  # runner and stream app (default: theirs, DEFAULT_GROUP_SIZE)
     steps: int = 8
     time_budget_s: float = 840.0
     runner_workers: int = 8
     eval_samples: int = 2
     eval_tasks: int | None = None
-    lr: float = 2e-4
-    # Linear ramp to lr over the first N learner steps. Adam's first update moves every weight by ~lr
-    # whatever the gradient: at a full 1e-3, one step on 16 rollouts broke the calculator's CALC format
-    # (a seed-0 demo run, training reward 0.53 -> 0.00).
-    lr_warmup_steps: int = 3
-    # KL penalty to the base model (with LoRA the base is the reference, no second copy): holds skills
-    # whose groups are all-correct (zero advantage) in place while other groups move the policy.
-    kl_coef: float = 0.0
-    # The agent's sampling temperature: the learner must score tokens under the same
-    # distribution the worker sampled from (log_softmax(logits / T)), or the PPO
-    # ratio is off even on-policy.
-    temperature: float = 0.7
-    agent_match: str | None = None
-    air_rules: Path | None = None
-    # "return": a call's advantage from its own return G_t; "episode": every call of a rollout
-    # shares the rollout's advantage (steadier when intermediate rewards are small; streams/credit.py).
-    call_credit: str = "return"
-    # False: advantage = return - group mean (Dr. GRPO). Dividing by the group's std blows a
-    # group whose returns differ only by an intermediate reward up to the size of a right/wrong split:
-    # paired bare loops (seed 0, 12 steps) went 0.20 -> 0.17 held-out with it, 0.20 -> 0.44 without.
-    std_normalize: bool = False
     # Runner pacing: at most this many tasks per served policy version (None: run ahead freely).
     # groups_per_step keeps every step on-policy and spends no CPU on rollouts the learner would drop.
     tasks_per_version: int | None = None
-    seed: int = 0  # the learner's (LoRA init, RNG); the demo also seeds its tasks with it
+    stream: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # StreamConfig overrides
+    learner: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # LearnerConfig overrides
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "groups_per_step", "steps", "runner_workers", "eval_samples"):
-            if getattr(self, name) < 1:
-                raise BoltstreamError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("group_size", "steps", "runner_workers", "eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BoltstreamError(f"{name} must be >= 1, got {value}")
         for name in ("train", "test"):
             if not Path(getattr(self, name)).is_file():
                 raise BoltstreamError(f"--{name}: no such file {getattr(self, name)}")
+        self.stream_config()  # a typo or a bad value fails here, not in a child process
+        self.learner_config()
+
+    def argv(self, *, port: int = 8000, base_url: str = "http://127.0.0.1:8000/v1",
+             metrics_path: Path | None = None) -> dict[str, list[str]]:
+        """The command line of every component of the run (after ``boltstream``).
+
+        The single description of what each component is told: ``stream_config``/``learner_config``
+        parse these very lines, and a test compares them with the same components started by hand,
+        by env or by docker compose.
+        """
+        group = ["--group-size", str(self.group_size)] if self.group_size else []
+        lora = ["--lora"] if self.lora else ["--no-lora"]
+        pacing = ["--tasks-per-version", str(self.tasks_per_version)] if self.tasks_per_version else []
+        metrics = ["--metrics-path", str(metrics_path)] if metrics_path else []
+        return {
+            "worker": ["serve", "--model", self.model, "--served-model-name", MODEL_NAME, "--port", str(port),
+                       *lora],
+            "stream": ["stream", "worker", *group, *to_argv(StreamConfig, self.stream)],
+            "learner": ["learn", "--model", self.model, "--model-name", MODEL_NAME, "--max-steps", str(self.steps),
+                        "--checkpoint-every", "1", *metrics, *lora, *to_argv(LearnerConfig, self.learner)],
+            "tasks": ["tasks", "publish", str(self.train), "--split", "train", *group],
+            "runner": ["runner", "--agent", self.agent, "--workers", str(self.runner_workers), *group,
+                       "--base-url", base_url, *pacing],
+        }
+
+    def stream_config(self) -> StreamConfig:
+        """What the stream app of this run runs with (broker settings aside)."""
+        return load(StreamConfig, _parsed(stream_parser(), self.argv()["stream"][1:]), env={},
+                    state_file=os.devnull)
+
+    def learner_config(self) -> LearnerConfig:
+        """What the learner of this run runs with (broker settings aside)."""
+        return load(LearnerConfig, _parsed(learner_parser(), self.argv()["learner"][1:]), env={},
+                    state_file=os.devnull)
+
+
+def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
+    return vars(parser.parse_args(argv))
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -19,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from boltstream.config import Settings, load
+from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load
+from boltstream.learner.config import LearnerConfig
 from boltstream.runs.pipeline import (
     PipelineConfig,
     Processes,
@@ -32,39 +34,52 @@ from boltstream.runs.pipeline import (
     wait_until,
     worker_version,
 )
+from boltstream.streams.config import StreamConfig
 
 log = logging.getLogger(__name__)
 
-# The name the worker serves and the learner publishes checkpoints under; agents ask for it.
-MODEL_NAME = "policy"
+
+
+# Component settings `boltstream train` offers as its own flags; each keeps the component's name, help
+# and default (the flags come from the component's config), and is passed on only when given.
+LEARNER_SETTINGS = ("lr", "lr_warmup_steps", "kl_coef", "groups_per_step", "lora_targets", "seed")
+STREAM_SETTINGS = ("call_credit", "std_normalize", "agent_match", "air_rules_file")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--steps", type=int, default=None, help="learner steps to train")
+    a("--steps", type=int, default=None, help="learner steps to train (default 8)")
     a("--time-budget", type=float, default=None, help="seconds for the whole run, evaluation included")
     a("--out", type=Path, default=None, help="output folder")
     a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
     a("--full", action="store_true", help="full fine-tuning instead of LoRA")
-    a("--lora-targets", default=None, help="comma-separated module names for LoRA (default: every linear layer)")
-    a("--group-size", type=int, default=None, help="attempts per task (GRPO group)")
-    a("--groups-per-step", type=int, default=None, help="task groups per learner step")
+    a("--group-size", type=int, default=None,
+      help=f"attempts per task (GRPO group), for the runner and the stream app (default {DEFAULT_GROUP_SIZE})")
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
-    a("--lr", type=float, default=None)
-    a("--lr-warmup-steps", type=int, default=None, help="ramp the lr up linearly over the first N steps (default 3)")
-    a("--kl-coef", type=float, default=None, help="KL penalty to the base model (default 0)")
-    a("--temperature", type=float, default=None, help="the agent's sampling temperature (default 0.7)")
-    a("--seed", type=int, default=None, help="learner seed (the demo also seeds its tasks with it)")
-    a("--call-credit", choices=("return", "episode"), default=None,
-      help="a call's advantage from its own return (default) or its rollout's episode return")
-    a("--std-normalize", action=argparse.BooleanOptionalAction, default=None,
-      help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO, the default)")
     a("--tasks-per-version", type=int, default=None,
       help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
-    a("--agent-match", default=None, help="regex: train only calls of matching agents")
-    a("--air-rules", type=Path, default=None, help="YAML file of AIR rules")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
+    flags_from_dataclass(p.add_argument_group("learner settings (boltstream learn)"), LearnerConfig,
+                         only=LEARNER_SETTINGS)
+    flags_from_dataclass(p.add_argument_group("stream app settings (boltstream stream worker)"), StreamConfig,
+                         only=STREAM_SETTINGS)
+
+
+def config_from_args(args: argparse.Namespace, default_out: Path, **given: Any) -> PipelineConfig:
+    """The run the flags describe; ``given`` adds what the caller decides (agent, tasks, overrides)."""
+    run_level = {"out": args.out or default_out, "model": args.model, "steps": args.steps,
+                 "time_budget_s": args.time_budget, "group_size": args.group_size,
+                 "eval_samples": args.eval_samples, "eval_tasks": args.eval_tasks,
+                 "tasks_per_version": args.tasks_per_version, "lora": False if args.full else None}
+    learner = {**given.pop("learner", {}), **_given(args, LEARNER_SETTINGS)}
+    stream = {**given.pop("stream", {}), **_given(args, STREAM_SETTINGS)}
+    kwargs = {k: v for k, v in {**run_level, **given}.items() if v is not None}
+    return PipelineConfig(learner=learner, stream=stream, **kwargs)
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 @contextlib.contextmanager
@@ -93,17 +108,25 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     metrics_path.unlink(missing_ok=True)
     agent_fn = _agent_callable(cfg.agent)
     test_tasks = load_tasks(cfg.test, cfg.eval_tasks)
-    summary: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(cfg).items()}}
+    stream_cfg = cfg.stream_config()
+    group_size = stream_cfg.group_size
+    # What each component ran with, resolved by its own parser from the command line it was given.
+    summary: dict[str, Any] = {
+        "settings": {k: str(v) for k, v in vars(cfg).items()},
+        "stream": {"group_size": group_size, "agent_match": stream_cfg.agent_match,
+                   "air_rules_file": stream_cfg.air_rules_file, **dataclasses.asdict(stream_cfg.credit)},
+        "learner": cfg.learner_config().to_dict(),
+    }
 
     with _stack(out, external) as (settings, state_file):
         env = component_env(settings, state_file, cfg.extra_env)
         procs = Processes(out / "logs", env)
         try:
             port = free_port()
-            serve = ["serve", "--model", cfg.model, "--served-model-name", MODEL_NAME, "--port", str(port)] + (["--lora"] if cfg.lora else [])
-            procs.start("worker", *serve)
-            wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
             base_url = f"http://127.0.0.1:{port}/v1"
+            argv = cfg.argv(port=port, base_url=base_url, metrics_path=metrics_path)
+            procs.start("worker", *argv["worker"])
+            wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
 
             log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
             eval_started = time.monotonic()
@@ -112,26 +135,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
             train_started = time.monotonic()
-            stream = ["stream", "worker", "--group-size", str(cfg.group_size), "--call-credit", cfg.call_credit]
-            if not cfg.std_normalize:
-                stream.append("--no-std-normalize")
-            if cfg.agent_match:
-                stream += ["--agent-match", cfg.agent_match]
-            if cfg.air_rules:
-                stream += ["--air-rules-file", str(cfg.air_rules)]
-            procs.start("stream", *stream)
-            learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
-                     "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
-                     "--checkpoint-every", "1", "--lr", str(cfg.lr), "--lr-warmup-steps", str(cfg.lr_warmup_steps),
-                     "--kl-coef", str(cfg.kl_coef), "--temperature", str(cfg.temperature),
-                     "--metrics-path", str(metrics_path), "--seed", str(cfg.seed),
-                     *(["--lora", "--lora-targets", ",".join(cfg.lora_targets)] if cfg.lora else ["--no-lora"])]
-            procs.start("learner", *learn)
-            procs.start("tasks", "tasks", "publish", str(cfg.train), "--split", "train",
-                        "--group-size", str(cfg.group_size))
-            pacing = ["--tasks-per-version", str(cfg.tasks_per_version)] if cfg.tasks_per_version else []
-            procs.start("runner", "runner", "--agent", cfg.agent, "--workers", str(cfg.runner_workers),
-                        "--group-size", str(cfg.group_size), "--base-url", base_url, *pacing)
+            for name in ("stream", "learner", "tasks", "runner"):
+                procs.start(name, *argv[name])
 
             # The after-eval costs what the before-eval did, a little more while the last checkpoint
             # loads and the other components stop: reserve that, not more (every second is training).
@@ -142,7 +147,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
                 rows = _steps(metrics_path)
                 if display is not None:
                     display.update(rows=rows, version=worker_version(port), procs=procs, worker_port=port,
-                                   group_size=cfg.group_size)
+                                   group_size=group_size)
                 return bool(rows) and rows[-1]["step"] >= cfg.steps
 
             with contextlib.suppress(Exception):
@@ -220,29 +225,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--test", type=Path, required=True, help="held-out tasks (JSONL)")
     add_arguments(p)
     args = p.parse_args(argv)
-    cfg = PipelineConfig(agent=args.agent, train=args.train, test=args.test, **_common(args, Path("out/train")))
+    cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test)
     stop_on_sigterm()
     summary = run(cfg, external=args.external)
     print_summary(summary)
     return 0
-
-
-def _common(args: argparse.Namespace, default_out: Path) -> dict[str, Any]:
-    given = {
-        "out": args.out or default_out, "model": args.model, "steps": args.steps,
-        "time_budget_s": args.time_budget, "group_size": args.group_size,
-        "groups_per_step": args.groups_per_step, "eval_samples": args.eval_samples,
-        "eval_tasks": args.eval_tasks, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
-        "kl_coef": args.kl_coef, "temperature": args.temperature, "agent_match": args.agent_match,
-        "air_rules": args.air_rules, "seed": args.seed,
-        "call_credit": args.call_credit, "std_normalize": args.std_normalize, "tasks_per_version": args.tasks_per_version,
-    }
-    kwargs = {k: v for k, v in given.items() if v is not None}
-    if args.full:
-        kwargs["lora"] = False
-    if args.lora_targets:
-        kwargs["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    return kwargs
 
 
 def print_summary(summary: dict[str, Any]) -> None:

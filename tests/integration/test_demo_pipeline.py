@@ -18,10 +18,10 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     cfg = PipelineConfig(
         agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
-        out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=2, steps=2,
-        time_budget_s=400, runner_workers=4, eval_samples=1, temperature=1.0, tasks_per_version=2,
-        std_normalize=False, lr_warmup_steps=2,
-        air_rules=REPO / "examples" / "calc" / "air.yaml",
+        out=tmp_path / "out", model="tiny", lora=True, group_size=2, steps=2,
+        time_budget_s=400, runner_workers=4, eval_samples=1, tasks_per_version=2,
+        learner={"groups_per_step": 2, "lr_warmup_steps": 2},
+        stream={"air_rules_file": REPO / "examples" / "calc" / "air.yaml"},
         extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", "1.0")),
     )
     summary = run(cfg)
@@ -29,15 +29,15 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     steps = [r for r in read_jsonl(cfg.out / "metrics.jsonl") if r.get("event") == "step"]
     assert [r["step"] for r in steps][:2] == [1, 2]
     assert all(r["samples"] > 0 for r in steps)
-    assert steps[0]["lr"] * 2 == steps[1]["lr"] == cfg.lr  # --lr-warmup-steps 2 reached the learner
+    assert steps[0]["lr"] * 2 == steps[1]["lr"] == cfg.learner_config().lr  # --lr-warmup-steps 2 reached it
     # paced runner: 2 tasks per policy version, so each step trained on the version just served
     assert all(set(r["staleness"]) == {"0"} for r in steps)
     # the worker reloaded the learner's checkpoints: the served policy version moved on
     assert summary["policy_version_served"] >= 2
-    # adapters on every linear layer (PipelineConfig.lora_targets), MLP included, reached the learner
+    # adapters on every linear layer (the learner's default), MLP included
     learner_config = (cfg.out / "logs" / "learner.log").read_text().split("learner config:")[1].splitlines()[0]
     assert "'gate_proj', 'up_proj', 'down_proj'" in learner_config
-    assert "std_normalize=False" in (cfg.out / "logs" / "stream.log").read_text()
+    assert "std_normalize=False" in (cfg.out / "logs" / "stream.log").read_text()  # the stream app's default
     assert abs(summary["improvement"] - (summary["after"]["score"] - summary["before"]["score"])) < 1e-9
     assert summary["improvement_se"] >= 0
     assert (cfg.out / "curve.png").stat().st_size > 0

@@ -53,9 +53,9 @@ def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: P
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     cfg = PipelineConfig(
         agent="examples.sql.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
-        out=tmp_path / "out", model="tiny", lora=True, group_size=2, groups_per_step=1, steps=2,
-        time_budget_s=240, runner_workers=4, eval_samples=1, temperature=1.0, agent_match="^sql_writer$",
-        air_rules=REPO / "examples" / "sql" / "air.yaml",
+        out=tmp_path / "out", model="tiny", lora=True, group_size=2, steps=2,
+        time_budget_s=240, runner_workers=4, eval_samples=1, learner={"groups_per_step": 1},
+        stream={"agent_match": "^sql_writer$", "air_rules_file": REPO / "examples" / "sql" / "air.yaml"},
         extra_env=(
             # what `opentelemetry-instrument` does: its sitecustomize loads every installed instrumentor
             ("PYTHONPATH", os.pathsep.join([SITECUSTOMIZE_DIR, str(REPO)])),

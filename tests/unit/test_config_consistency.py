@@ -1,0 +1,167 @@
+"""A component runs with the same settings however it is started: by ``boltstream train``, by hand
+(its CLI), from ``BOLTSTREAM_*`` variables, or by the compose file.
+
+Each comparison resolves the component's config with the component's own parser and
+:func:`boltstream.config.load`, from the very command line ``boltstream train`` would start it with
+(:meth:`PipelineConfig.argv`) or the compose file declares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from boltstream.config import Knob, knobs, load
+from boltstream.inference.cli import ServeConfig
+from boltstream.inference.cli import parser as serve_parser
+from boltstream.learner.cli import parser as learner_parser
+from boltstream.learner.config import LearnerConfig
+from boltstream.runs.pipeline import PipelineConfig
+from boltstream.runs.train import LEARNER_SETTINGS, STREAM_SETTINGS, add_arguments, config_from_args
+from boltstream.streams.cli import parser as stream_parser
+from boltstream.streams.config import StreamConfig
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "infra" / "docker-compose.yml"
+# What a run decides for itself (names, lengths, where metrics go): not a training setting.
+RUN_SPECIFIC = {"model_name", "max_steps", "checkpoint_every", "metrics_path", "served_model_name", "port", "host"}
+COMPONENTS: dict[str, tuple[type, Any, list[str]]] = {
+    # config class, its parser, the argv words before the options
+    "learn": (LearnerConfig, learner_parser, []),
+    "stream": (StreamConfig, stream_parser, ["worker"]),
+    "serve": (ServeConfig, serve_parser, []),
+}
+
+
+def resolve(component: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
+    cls, parser, lead = COMPONENTS[component]
+    args = vars(parser().parse_args([*lead, *argv]))
+    return load(cls, args, env=env or {}, state_file=os.devnull)
+
+
+def values(config: Any, skip: set[str] = RUN_SPECIFIC) -> dict[str, Any]:
+    """Every leaf setting of a resolved config, the broker/S3 settings aside."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name == "settings" or f.name in skip:
+            continue
+        out.update(values(value, skip) if dataclasses.is_dataclass(value) else {f.name: value})
+    return out
+
+
+@pytest.fixture
+def run_cfg(tmp_path: Path) -> PipelineConfig:
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.jsonl").write_text('{"id": "t1"}\n')
+    return PipelineConfig(agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl",
+                          test=tmp_path / "test.jsonl", out=tmp_path / "out")
+
+
+def train_started(run_cfg: PipelineConfig, component: str, **changes: Any) -> Any:
+    """The config ``component`` resolves from the command line ``boltstream train`` gives it."""
+    argv = dataclasses.replace(run_cfg, **changes).argv()[{"learn": "learner", "serve": "worker"}.get(component,
+                                                                                                       component)]
+    return resolve(component, argv[2:] if component == "stream" else argv[1:])
+
+
+def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> None:
+    # Everything but what a run decides itself is the component's own default, the one a hand-run
+    # component gets: nothing is copied, so nothing can drift.
+    assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora"]))
+    assert values(train_started(run_cfg, "stream")) == values(resolve("stream", []))
+    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora"]))
+
+
+def another_value(knob: Knob, tmp_path: Path) -> Any:
+    """A valid value other than the default, per setting."""
+    special = {"agent_match": "^solver$", "air_rules_file": tmp_path / "air.yaml",
+               "lora_targets": ("q_proj", "v_proj"), "seed": 7, "groups_per_step": 3, "lr": 3e-4,
+               "lr_warmup_steps": 5, "kl_coef": 0.05, "call_credit": "episode", "std_normalize": True}
+    (tmp_path / "air.yaml").write_text("rules: []\n")
+    return special[knob.name]
+
+
+def text(value: Any) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+SHARED = [("learn", name) for name in LEARNER_SETTINGS] + [("stream", name) for name in STREAM_SETTINGS]
+
+
+@pytest.mark.parametrize(("component", "name"), SHARED)
+def test_a_shared_setting_resolves_the_same_from_train_the_cli_and_env(
+        run_cfg: PipelineConfig, tmp_path: Path, component: str, name: str) -> None:
+    cls = COMPONENTS[component][0]
+    knob = next(k for k in knobs(cls) if k.name == name)
+    value = another_value(knob, tmp_path)
+    assert value != knob.default
+    overrides = {"learner" if component == "learn" else "stream": {name: value}}
+    from_train = values(train_started(run_cfg, component, **overrides))[name]
+    flag = [knob.flag] if value is True else [knob.flag, text(value)]
+    from_cli = values(resolve(component, flag))[name]
+    from_env = values(resolve(component, [], env={knob.env: text(value)}))[name]
+    expected = str(value) if isinstance(value, Path) else value
+    assert from_train == from_cli == from_env == expected
+
+
+def test_train_offers_each_shared_setting_as_the_components_own_flag(run_cfg: PipelineConfig,
+                                                                     tmp_path: Path) -> None:
+    # `boltstream train --lr 3e-4 --no-std-normalize ...`: the flags, parsed as a user types them,
+    # reach the components as given.
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--lr", "3e-4", "--std-normalize", "--agent-match", "^solver$", "--group-size", "6"])
+    cfg = config_from_args(args, tmp_path / "out", agent=run_cfg.agent, train=run_cfg.train, test=run_cfg.test)
+    learner, stream = cfg.learner_config(), cfg.stream_config()
+    assert (learner.lr, stream.credit.std_normalize, stream.agent_match, stream.group_size) == (
+        3e-4, True, "^solver$", 6)
+    assert cfg.argv()["runner"][cfg.argv()["runner"].index("--group-size") + 1] == "6"
+
+
+def test_a_bad_override_fails_when_the_run_is_configured(run_cfg: PipelineConfig) -> None:
+    with pytest.raises(Exception, match="lr_warmup"):
+        dataclasses.replace(run_cfg, learner={"lr_warmup": 2})
+    with pytest.raises(Exception, match="gamma"):
+        dataclasses.replace(run_cfg, stream={"gamma": 2.0})
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def compose_services() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def compose_started(service: str) -> tuple[str, Any, dict[str, str]]:
+    spec = compose_services()[service]
+    command = spec["command"] if isinstance(spec["command"], list) else shlex.split(spec["command"])
+    assert command[0] == "boltstream", f"{service}: {command}"
+    component = command[1]
+    argv = command[2:]
+    if component == "stream":
+        assert argv[0] == "worker"
+        argv = argv[1:]
+    env = {k: str(v) for k, v in (spec.get("environment") or {}).items()}
+    return component, resolve(component, argv, env=env), env
+
+
+@pytest.mark.parametrize("service", ["stream", "learner", "inference"])
+def test_compose_services_run_with_the_settings_train_gives_them(run_cfg: PipelineConfig, service: str) -> None:
+    component, config, _ = compose_started(service)
+    assert values(config) == values(train_started(run_cfg, component))
+
+
+@pytest.mark.parametrize("service", ["stream", "learner", "inference"])
+def test_every_variable_compose_sets_is_a_setting_of_its_service(service: str) -> None:
+    component, _, env = compose_started(service)
+    known = {k.env for k in knobs(COMPONENTS[component][0])}
+    unknown = sorted(k for k in env if k.startswith("BOLTSTREAM_") and k not in known)
+    assert not unknown, f"{service} sets variables no config reads: {unknown}"
