@@ -1,4 +1,4 @@
-"""``boltstream demo``: train the calculator agent (examples/calc) on the embedded stack.
+"""``boltstream demo``: train the calculator agent (boltstream.examples.calc) on the embedded stack.
 
 SmolLM2-135M-Instruct on CPU with LoRA, a few learner steps, held-out score
 before and after. Everything runs as real processes on a real broker and a
@@ -8,19 +8,21 @@ real S3 endpoint; Ctrl-C stops them all.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from boltstream.errors import BoltstreamError
-from boltstream.runs.pipeline import PipelineConfig, Processes
+from boltstream.examples.calc import tasks as calc_tasks
+from boltstream.processes import Processes
+from boltstream.runs.pipeline import PipelineConfig
 from boltstream.runs.train import _common, add_arguments, print_summary, run, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+CALC_AGENT = "boltstream.examples.calc.agent:solve"
+CALC_AIR_RULES = Path(calc_tasks.__file__).with_name("air.yaml")
 
 
 class LiveDisplay:
@@ -85,18 +87,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     data = Path(args.out or "out/demo") / "data"
     data.mkdir(parents=True, exist_ok=True)
-    if not (REPO / "examples" / "calc").is_dir():
-        raise BoltstreamError("boltstream demo runs from a source checkout (it needs examples/calc)")
-    sys.path.insert(0, str(REPO))
-    from examples.calc.tasks import train_test
-
-    train, test = train_test(n_train=256, n_test=32, seed=args.seed or 0)
-    import json
-
+    train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=args.seed or 0)
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     kwargs = _common(args, Path("out/demo"))
-    kwargs.setdefault("air_rules", REPO / "examples" / "calc" / "air.yaml")
+    kwargs.setdefault("air_rules", CALC_AIR_RULES)
     # Sized for 15 minutes on 2 CPU cores, evaluation included.
     # Every call of a rollout shares its advantage: the calculator's AIR (+0.1 on the CALC call) would
     # otherwise make each ANSWER call look worse than the group's episode returns (streams/credit.py).
@@ -108,9 +103,8 @@ def main(argv: list[str]) -> int:
         kwargs.setdefault(key, value)
     # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
     kwargs.setdefault("tasks_per_version", kwargs["groups_per_step"])
-    cfg = PipelineConfig(agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
-                         extra_env=(("PYTHONPATH", str(REPO)),
-                                    ("CALC_TEMPERATURE", str(kwargs.get("temperature", 0.7)))), **kwargs)
+    cfg = PipelineConfig(agent=CALC_AGENT, train=data / "train.jsonl", test=data / "test.jsonl",
+                         extra_env=(("CALC_TEMPERATURE", str(kwargs.get("temperature", 0.7))),), **kwargs)
     stop_on_sigterm()
     if args.no_live:
         summary = run(cfg, external=args.external)

@@ -20,16 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.config import Settings, load
+from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
     PipelineConfig,
-    Processes,
     component_env,
     evaluate,
-    free_port,
     load_tasks,
     mean_and_se,
     read_jsonl,
-    wait_until,
     worker_version,
 )
 

@@ -1,6 +1,6 @@
 """``boltstream stack up|down|status|env``: the embedded stack from a shell.
 
-Kept apart from :mod:`boltstream.stack` so the library has no argparse/rich
+Kept apart from the stack's library modules so they have no argparse/rich
 output concerns and tests can drive the same code without a subprocess.
 """
 
