@@ -8,7 +8,6 @@
 Processes are started and stopped by :mod:`boltstream.processes`.
 """
 
-from boltstream.config import DEFAULT_STATE_FILE
 from boltstream.stack.lifecycle import (
     embedded_stack,
     kill_broker,
@@ -28,7 +27,6 @@ from boltstream.stack.state import (
 
 __all__ = [
     "CREDENTIALS_ENV",
-    "DEFAULT_STATE_FILE",
     "embedded_stack",
     "kill_broker",
     "resolve_state_file",
