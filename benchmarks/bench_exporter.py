@@ -70,11 +70,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import boltstream
 from boltstream.config import read_state
+from boltstream.processes import free_port
 from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
 from boltstream.producers.normalise import SpanNormaliser
 from boltstream.producers.span_encoder import SpanRecordEncoder
 from boltstream.producers.tracing import BSP_DEFAULTS, install_rollout_processor
-from boltstream.stack import embedded_stack, free_port
+from boltstream.stack import embedded_stack
 
 RESULTS = Path(__file__).parent / "results"
 BATCH = 512

@@ -44,26 +44,23 @@ import json
 import os
 import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from boltstream.examples.calc import agent as calc
+from boltstream.examples.calc.tasks import train_test
+from boltstream.learner.config import LearnerConfig
+from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs
+from boltstream.learner.trainer import adamw, build_model, pad_token_id
+from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
+from boltstream.runs.pipeline import PipelineConfig, mean_and_se
+from boltstream.weights.models import stop_token_ids
 
-from boltstream.learner.config import LearnerConfig  # noqa: E402
-from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs  # noqa: E402
-from boltstream.learner.trainer import adamw, build_model, pad_token_id  # noqa: E402
-from boltstream.runs.pipeline import PipelineConfig, mean_and_se  # noqa: E402
-from boltstream.weights.models import stop_token_ids  # noqa: E402
-from examples.calc import agent as calc  # noqa: E402
-from examples.calc.tasks import train_test  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(__file__).parent / "results"
 AIR_CALC = 0.1
 LORA_TARGETS = PipelineConfig.__dataclass_fields__["lora_targets"].default  # what the pipeline trains
 
@@ -190,15 +187,14 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     from boltstream.runs.train import run
 
     cfg = PipelineConfig(
-        agent="examples.calc.agent:solve", train=data / "train.jsonl", test=data / "test.jsonl",
+        agent=CALC_AGENT, train=data / "train.jsonl", test=data / "test.jsonl",
         out=data / "pipeline", model="smollm2", lora=True, group_size=args.group_size,
         steps=args.steps, time_budget_s=args.pipeline_budget, eval_samples=args.eval_samples,
         tasks_per_version=args.groups_per_step,
         # explicit, so the benchmark stays fixed if the components' defaults move
         learner={"groups_per_step": args.groups_per_step, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps},
-        stream={"call_credit": "episode", "std_normalize": False,
-                "air_rules_file": ROOT / "examples" / "calc" / "air.yaml"},
-        extra_env=(("PYTHONPATH", str(ROOT)), ("CALC_TEMPERATURE", str(args.temperature))),
+        stream={"call_credit": "episode", "std_normalize": False, "air_rules_file": CALC_AIR_RULES},
+        extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
     )
     summary = run(cfg)
     keep = ("before", "after", "train_s", "learner_steps", "policy_version_served", "wall_s")

@@ -16,7 +16,7 @@ from boltstream.errors import BoltstreamError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "stack": ("boltstream.stack_cli", "start, inspect or stop the embedded broker + S3 stack"),
+    "stack": ("boltstream.stack.cli", "start, inspect or stop the embedded broker + S3 stack"),
     "topics": ("boltstream.topics", "create, list or describe the topics"),
     "tasks": ("boltstream.producers.tasks", "publish a task dataset (JSONL or Parquet) to the tasks topic"),
     "runner": ("boltstream.producers.runner", "run an agent function on tasks from the tasks topic"),

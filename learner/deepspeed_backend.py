@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from boltstream.errors import BoltstreamError
+from boltstream.processes import free_port
 
 from .collate import split_by_token_budget
 from .config import LearnerConfig
@@ -63,12 +63,6 @@ def dist_env() -> tuple[int, int, int]:
     return rank, world, int(os.environ.get("LOCAL_RANK", str(rank)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def import_deepspeed(cfg: LearnerConfig) -> Any:
     """``import deepspeed`` with a clear error when the extra is missing; CPU accelerator on CPU."""
     if cfg.device == "cpu":
@@ -95,7 +89,7 @@ def init_distributed(cfg: LearnerConfig) -> None:
         os.environ.setdefault(var, str(value))  # DeepSpeed insists on seeing them
     if world == 1:  # alone: everything on loopback
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:

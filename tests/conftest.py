@@ -43,6 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The running embedded stack's state (as written to its state file)."""
     from boltstream import stack as stack_mod
+    from boltstream.processes import pid_alive
 
     state_file = tmp_path_factory.mktemp("stack") / "stack.json"
     state = stack_mod.start_stack(state_file=state_file, die_with_parent=True)
@@ -50,7 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield state
     finally:
         stack_mod.stop_stack(state_file)
-        alive = [pid for pid in stack_mod.state_pids(state) if stack_mod.pid_alive(pid)]
+        alive = [pid for pid in stack_mod.state_pids(state) if pid_alive(pid)]
         assert not alive, f"embedded stack left processes behind: {alive}"
 
 

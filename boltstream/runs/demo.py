@@ -1,4 +1,4 @@
-"""``boltstream demo``: train the calculator agent (examples/calc) on the embedded stack.
+"""``boltstream demo``: train the calculator agent (boltstream.examples.calc) on the embedded stack.
 
 SmolLM2-135M-Instruct on CPU with LoRA, a few learner steps, held-out score
 before and after. Everything runs as real processes on a real broker and a
@@ -8,19 +8,20 @@ real S3 endpoint; Ctrl-C stops them all.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from boltstream.errors import BoltstreamError
-from boltstream.runs.pipeline import Processes
+from boltstream.examples.calc import tasks as calc_tasks
+from boltstream.processes import Processes
 from boltstream.runs.train import add_arguments, config_from_args, print_summary, run, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+CALC_AGENT = "boltstream.examples.calc.agent:solve"
+CALC_AIR_RULES = Path(calc_tasks.__file__).with_name("air.yaml")
 
 
 class LiveDisplay:
@@ -87,14 +88,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     data = Path(args.out or "out/demo") / "data"
     data.mkdir(parents=True, exist_ok=True)
-    if not (REPO / "examples" / "calc").is_dir():
-        raise BoltstreamError("boltstream demo runs from a source checkout (it needs examples/calc)")
-    sys.path.insert(0, str(REPO))
-    from examples.calc.tasks import train_test
-
-    train, test = train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
-    import json
-
+    train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     # Sized for 15 minutes on 2 CPU cores, evaluation included: 8 steps of 4 groups x 4, lr 1e-3 on every
@@ -104,15 +98,15 @@ def main(argv: list[str]) -> int:
     # returns (streams/credit.py).
     groups_per_step = int(args.groups_per_step or 4)
     cfg = config_from_args(
-        args, Path("out/demo"), agent="examples.calc.agent:solve", train=data / "train.jsonl",
+        args, Path("out/demo"), agent=CALC_AGENT, train=data / "train.jsonl",
         test=data / "test.jsonl", steps=args.steps or 8, group_size=args.group_size or 4,
         eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
         time_budget_s=args.time_budget or 840.0,
         # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
         tasks_per_version=args.tasks_per_version or groups_per_step,
         learner={"lr": 1e-3, "groups_per_step": groups_per_step},
-        stream={"call_credit": "episode", "air_rules_file": REPO / "examples" / "calc" / "air.yaml"},
-        extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", str(args.temperature))),
+        stream={"call_credit": "episode", "air_rules_file": CALC_AIR_RULES},
+        extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
     )
     stop_on_sigterm()
     if args.no_live:

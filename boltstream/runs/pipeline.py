@@ -2,8 +2,9 @@
 
 Every component runs as its own ``boltstream ...`` process, exactly as a user
 would run them by hand or in docker compose, so the demo exercises the real
-topics, the real checkpoint path and the real reload. This module only starts,
-watches and stops them; it holds no training logic.
+topics, the real checkpoint path and the real reload. This module holds what a run
+needs besides starting and stopping them (:mod:`boltstream.processes` does that):
+evaluation, the components' environment, reading their outputs; no training logic.
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ import json
 import logging
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -113,67 +109,6 @@ class PipelineConfig:
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
     return vars(parser.parse_args(argv))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Processes:
-    """Child processes with logs in one folder; stops every one of them, always."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
-        self.log_dir = log_dir
-        self.env = env
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "boltstream.cli", *args]
-        logf = open(self.log_dir / f"{name}.log", "ab")
-        log.info("starting %s: %s", name, " ".join(args))
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        logf.close()
-        self.procs[name] = proc
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() not in (None, 0):
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise BoltstreamError(f"{name} exited with {proc.returncode}; last log lines:\n{tail}")
-
-    def stop(self, name: str, timeout: float = 20.0) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout)
-
-    def stop_all(self) -> None:
-        for name in list(self.procs)[::-1]:
-            self.stop(name)
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str, procs: Processes | None = None) -> Any:
-    """Poll ``cond`` until it returns a truthy value; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while time.monotonic() < deadline:
-        if procs is not None:
-            procs.check()
-        value = cond()
-        if value:
-            return value
-        time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
-    raise BoltstreamError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def http_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:

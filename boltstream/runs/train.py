@@ -22,16 +22,14 @@ from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load
 from boltstream.learner.config import LearnerConfig
+from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
     PipelineConfig,
-    Processes,
     component_env,
     evaluate,
-    free_port,
     load_tasks,
     mean_and_se,
     read_jsonl,
-    wait_until,
     worker_version,
 )
 from boltstream.streams.config import StreamConfig

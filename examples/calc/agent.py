@@ -105,7 +105,7 @@ def reward(answer: str | None, expected: float) -> float:
 
 
 def solve(task: dict, ctx) -> float:
-    """Entry point for ``boltstream runner --agent examples.calc.agent:solve``.
+    """Entry point for ``boltstream runner --agent boltstream.examples.calc.agent:solve``.
 
     ``ctx`` carries the inference endpoint and the rollout's headers; the agent
     itself is the plain OpenAI-SDK code above.

@@ -141,7 +141,7 @@ def reward(answer: str | None, expected: str) -> float:
 
 
 def solve(task: dict, ctx: Any) -> float:
-    """Entry point for ``boltstream runner --agent examples.sql.agent:solve``.
+    """Entry point for ``boltstream runner --agent boltstream.examples.sql.agent:solve``.
 
     ``ctx.openai_base_url`` is the inference worker's URL with the rollout's ids
     in the path. Why not ``default_headers=ctx.headers`` as the calculator does:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from boltstream.examples.calc.tasks import train_test
+from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
 from boltstream.runs.pipeline import PipelineConfig, read_jsonl
 from boltstream.runs.train import run
-from examples.calc.tasks import train_test
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
@@ -17,12 +16,12 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     for name, tasks in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     cfg = PipelineConfig(
-        agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
+        agent=CALC_AGENT, train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
         out=tmp_path / "out", model="tiny", lora=True, group_size=2, steps=2,
         time_budget_s=400, runner_workers=4, eval_samples=1, tasks_per_version=2,
         learner={"groups_per_step": 2, "lr_warmup_steps": 2},
-        stream={"air_rules_file": REPO / "examples" / "calc" / "air.yaml"},
-        extra_env=(("PYTHONPATH", str(REPO)), ("CALC_TEMPERATURE", "1.0")),
+        stream={"air_rules_file": CALC_AIR_RULES},
+        extra_env=(("CALC_TEMPERATURE", "1.0"),),
     )
     summary = run(cfg)
 

@@ -19,15 +19,15 @@ import opentelemetry.instrumentation.auto_instrumentation as auto_instrumentatio
 import pytest
 
 from boltstream.config import Settings
+from boltstream.examples.sql import tasks as sql_tasks
 from boltstream.runs.pipeline import PipelineConfig, read_jsonl
 from boltstream.runs.train import run
 from boltstream.stack import settings_env as to_env
 from boltstream.streams.assembly import build_span_tree
 from boltstream.streams.spans import attr, has_token_ids, inherited_agent_names
-from examples.sql.tasks import train_test
 from tests.integration.conftest import read_topic
 
-REPO = Path(__file__).resolve().parents[2]
+SQL_AIR_RULES = Path(sql_tasks.__file__).with_name("air.yaml")
 SITECUSTOMIZE_DIR = os.path.dirname(auto_instrumentation.__file__)
 ROLES = {"sql_writer", "answerer"}
 
@@ -48,17 +48,17 @@ def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: P
     for key, value in to_env(settings).items():  # train.run(external=True) reads the session stack from env
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("BOLTSTREAM_STATE_FILE", str(tmp_path / "no-stack.json"))
-    train, test = train_test(n_train=6, n_test=2, seed=5)
+    train, test = sql_tasks.train_test(n_train=6, n_test=2, seed=5)
     for name, tasks in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     cfg = PipelineConfig(
-        agent="examples.sql.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
+        agent="boltstream.examples.sql.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
         out=tmp_path / "out", model="tiny", lora=True, group_size=2, steps=2,
         time_budget_s=240, runner_workers=4, eval_samples=1, learner={"groups_per_step": 1},
-        stream={"agent_match": "^sql_writer$", "air_rules_file": REPO / "examples" / "sql" / "air.yaml"},
+        stream={"agent_match": "^sql_writer$", "air_rules_file": SQL_AIR_RULES},
         extra_env=(
             # what `opentelemetry-instrument` does: its sitecustomize loads every installed instrumentor
-            ("PYTHONPATH", os.pathsep.join([SITECUSTOMIZE_DIR, str(REPO)])),
+            ("PYTHONPATH", SITECUSTOMIZE_DIR),
             ("OTEL_TRACES_EXPORTER", "none"),  # the runner adds boltstream's exporter itself
             ("OTEL_METRICS_EXPORTER", "none"), ("OTEL_LOGS_EXPORTER", "none"),
             # LangChain's spans only: the OpenAI SDK one would sit outside the LangGraph node

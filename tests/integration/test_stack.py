@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from boltstream import stack as stack_mod
 from boltstream.config import TOPICS, Settings
 from boltstream.kafka import consumer_kwargs, log_end_offsets, producer_kwargs
+from boltstream.processes import pid_alive, terminate
 from boltstream.schemas import Codec
 from boltstream.topics import describe_topics, ensure_topics, list_topics
 
@@ -180,7 +181,7 @@ def test_cli_round_trip_leaves_no_process(tmp_path: Path, boltstream_cmd: list[s
         down = run(["stack", "down"])
         assert down.returncode == 0, down.stderr
         assert not state_file.exists()
-        assert [n for n, (pid, start) in procs.items() if stack_mod.pid_alive(pid, start)] == []
+        assert [n for n, (pid, start) in procs.items() if pid_alive(pid, start)] == []
 
         after = run(["stack", "status", "--json"])
         assert after.returncode == 1 and json.loads(after.stdout)["running"] is False
@@ -199,7 +200,7 @@ def test_up_twice_reports_running_and_stale_state_is_replaced(tmp_path: Path) ->
 
         # Crash both processes: the state file is now stale and `up` must replace it.
         stack_mod.kill_broker(state_file)
-        stack_mod._terminate(first["pids"]["s3"], first["proc_starts"]["s3"])
+        terminate(first["pids"]["s3"], first["proc_starts"]["s3"])
         assert stack_mod.stack_status(state_file)["running"] is False
 
         third = stack_mod.start_stack(state_file)
@@ -209,7 +210,7 @@ def test_up_twice_reports_running_and_stale_state_is_replaced(tmp_path: Path) ->
     finally:
         stack_mod.stop_stack(state_file)
     assert not state_file.exists()
-    assert not any(stack_mod.pid_alive(p) for p in stack_mod.state_pids(third))
+    assert not any(pid_alive(p) for p in stack_mod.state_pids(third))
 
 
 async def test_durable_broker_survives_kill_9(tmp_path: Path) -> None:
@@ -222,7 +223,7 @@ async def test_durable_broker_survives_kill_9(tmp_path: Path) -> None:
         await _produce(settings, topic, sent)
 
         stack_mod.kill_broker(state_file)
-        assert not stack_mod.pid_alive(before["pids"]["broker"], before["proc_starts"]["broker"])
+        assert not pid_alive(before["pids"]["broker"], before["proc_starts"]["broker"])
         after = stack_mod.restart_broker(state_file)
         assert after["bootstrap_servers"] == before["bootstrap_servers"]
         assert after["pids"]["broker"] != before["pids"]["broker"]

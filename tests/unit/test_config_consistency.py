@@ -61,7 +61,7 @@ def values(config: Any, skip: set[str] = RUN_SPECIFIC) -> dict[str, Any]:
 def run_cfg(tmp_path: Path) -> PipelineConfig:
     for name in ("train", "test"):
         (tmp_path / f"{name}.jsonl").write_text('{"id": "t1"}\n')
-    return PipelineConfig(agent="examples.calc.agent:solve", train=tmp_path / "train.jsonl",
+    return PipelineConfig(agent="boltstream.examples.calc.agent:solve", train=tmp_path / "train.jsonl",
                           test=tmp_path / "test.jsonl", out=tmp_path / "out")
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from boltstream.examples.calc import agent
 from boltstream.producers.normalise import normalise_span
 from boltstream.streams.air import CallRef, air_rules_from_yaml, evaluate_air
-from examples.calc import agent
 
 AIR_FILE = Path(agent.__file__).with_name("air.yaml")
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
+from boltstream.examples.sql import db, tasks
+from boltstream.examples.sql.agent import build_graph, extract_sql, parse_answer, reward, run_agent
 from boltstream.producers.normalise import normalise_span
 from boltstream.streams.air import CallRef, evaluate_air
 from boltstream.streams.spans import inherited_agent_names, is_llm_span, is_tool_span, own_agent_name
-from examples.sql import db, tasks
-from examples.sql.agent import build_graph, extract_sql, parse_answer, reward, run_agent
 
 
 def test_database_is_deterministic_per_seed() -> None:

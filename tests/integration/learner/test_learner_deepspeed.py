@@ -9,7 +9,6 @@ ZeRO optimizer state continues exactly where it stopped.
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
+from boltstream.processes import free_port
 from boltstream.weights.checkpoints import fetch_checkpoint, latest_manifest
 from boltstream.weights.models import load_model
 from tests.integration.learner.helpers import Learner, group, produce
@@ -26,12 +26,6 @@ pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed"
 
 COMMON = ["--model", "tiny", "--groups-per-step", "2", "--lr", "1e-3", "--max-staleness", "none",
           "--poll-ms", "100", "--deepspeed"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _reference(settings, tmp_path: Path, steps: int) -> torch.nn.Module:
@@ -66,7 +60,7 @@ async def test_one_rank_zero1_checkpoints_and_resumes_its_optimizer_exactly(
     run = f"{settings.namespace}ds1"
     args = [*COMMON, "--zero-stage", "1", "--run", run, "--checkpoint-every", "1",
             "--metrics-path", str(tmp_path / "m.jsonl"), "--workdir", str(tmp_path / "w")]
-    env = {**settings_env, "MASTER_PORT": str(_free_port())}  # alone: the learner fills in the rest
+    env = {**settings_env, "MASTER_PORT": str(free_port())}  # alone: the learner fills in the rest
     for steps in ("1", "2"):  # stop after step 1, then resume from its ZeRO state
         learner = Learner([*args, "--max-steps", steps], env, tmp_path / f"ds1-{steps}.log")
         try:
@@ -85,7 +79,7 @@ async def test_two_ranks_zero2_over_gloo_match_one_big_batch(settings, settings_
     run = f"{settings.namespace}ds2"
     args = [*COMMON, "--zero-stage", "2", "--run", run, "--checkpoint-every", "2", "--max-steps", "2",
             "--metrics-path", str(tmp_path / "m.jsonl"), "--workdir", str(tmp_path / "w")]
-    port = _free_port()
+    port = free_port()
     ranks = [Learner(args, _rank_env(settings_env, r, 2, port), tmp_path / f"rank{r}.log") for r in range(2)]
     try:
         ranks[0].wait_for(r"done: step 2 version 2", timeout=150)

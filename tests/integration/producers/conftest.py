@@ -18,7 +18,8 @@ import pytest
 
 from boltstream.config import Settings
 from boltstream.kafka import wait_for_broker
-from boltstream.stack import free_port, run_sync
+from boltstream.processes import free_port
+from boltstream.stack import run_sync
 from boltstream.topics import ensure_topics
 from tests.integration.conftest import Record, read_topic
 

@@ -1,6 +1,6 @@
 """``boltstream stack up|down|status|env``: the embedded stack from a shell.
 
-Kept apart from :mod:`boltstream.stack` so the library has no argparse/rich
+Kept apart from the stack's library modules so they have no argparse/rich
 output concerns and tests can drive the same code without a subprocess.
 """
 
@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from boltstream import stack
+from boltstream.config import DEFAULT_STATE_FILE
 from boltstream.errors import StackError
 
 
@@ -21,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--state-file",
-        help=f"state file (env BOLTSTREAM_STATE_FILE, default {stack.DEFAULT_STATE_FILE})",
+        help=f"state file (env BOLTSTREAM_STATE_FILE, default {DEFAULT_STATE_FILE})",
     )
     sub = p.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", parents=[common], help="start the stack (or report the running one)")
