@@ -73,7 +73,6 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int = 1024
     max_grad_norm: float | None = 1.0
     logprob_chunk_size: int = 1024
-    temperature: float = 1.0
     # --- checkpoints
     run: str | None = None  # S3 prefix of this run's versions; default "<namespace>/<model_name>"
     checkpoint_every: int = 10

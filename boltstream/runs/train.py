@@ -123,7 +123,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             learn = ["learn", "--model", cfg.model, "--model-name", MODEL_NAME,
                      "--groups-per-step", str(cfg.groups_per_step), "--max-steps", str(cfg.steps),
                      "--checkpoint-every", "1", "--lr", str(cfg.lr), "--lr-warmup-steps", str(cfg.lr_warmup_steps),
-                     "--kl-coef", str(cfg.kl_coef), "--temperature", str(cfg.temperature),
+                     "--kl-coef", str(cfg.kl_coef),
                      "--metrics-path", str(metrics_path), "--seed", str(cfg.seed),
                      *(["--lora", "--lora-targets", ",".join(cfg.lora_targets)] if cfg.lora else ["--no-lora"])]
             procs.start("learner", *learn)
