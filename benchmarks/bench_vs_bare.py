@@ -135,8 +135,9 @@ def bare_evaluate(model: Any, tokenizer: Any, tasks: list[dict[str, Any]], sampl
     return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples}
 
 
-def grpo_samples(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every call of a rollout gets its return (final reward + AIR) minus the group's mean (Dr. GRPO, as the demo)."""
+def grpo_samples(group: list[dict[str, Any]], temperature: float) -> list[dict[str, Any]]:
+    """Every call of a rollout gets its return (final reward + AIR) minus the group's mean (Dr. GRPO, as the demo),
+    and the temperature it was sampled at (the learner scores it there, as the stream app's samples)."""
     returns = [a["reward"] + AIR_CALC * min(a["calc_ok"], 1) for a in group]  # once per rollout, as air.yaml
     mean = sum(returns) / len(returns)
     samples = []
@@ -147,7 +148,8 @@ def grpo_samples(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             ids = prompt + response
             samples.append({"token_ids": ids, "prompt_length": len(prompt), "advantage": adv, "loss_weight": 1.0,
-                            "loss_mask": [0] * len(prompt) + [1] * len(response), "behaviour_logprobs": [0.0] * len(ids)})
+                            "loss_mask": [0] * len(prompt) + [1] * len(response), "behaviour_logprobs": [0.0] * len(ids),
+                            "temperature": temperature})
     return samples
 
 
@@ -155,7 +157,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
     cfg = LearnerConfig(model="smollm2", lora=True, lr=args.lr, seed=args.seed, lora_targets=LORA_TARGETS)
     model, tokenizer = build_model(cfg)
     optimizer = adamw(cfg, model)
-    step_cfg = StepConfig(temperature=args.temperature, pad_token_id=pad_token_id(tokenizer))
+    step_cfg = StepConfig(pad_token_id=pad_token_id(tokenizer))
     result: dict[str, Any] = {"before": bare_evaluate(model, tokenizer, test, args.eval_samples, args.temperature)}
     print(f"bare before: {result['before']['score']:.3f} ± {result['before']['se']:.3f}", flush=True)
     rng = random.Random(args.seed)
@@ -167,7 +169,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
         for task in rng.sample(train, args.groups_per_step):
             group = roll.run(task, args.group_size)
             step_rewards += [a["reward"] for a in group]
-            samples += grpo_samples(group)
+            samples += grpo_samples(group, args.temperature)
         t1 = time.perf_counter()
         if samples:
             samples = with_model_logprobs(model, samples, step_cfg)  # on-policy: behaviour == current

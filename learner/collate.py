@@ -1,9 +1,13 @@
-"""Sample dicts (``schemas/sample/v1.avsc``) -> padded tensors, and micro-batching.
+"""Sample dicts (``schemas/sample/v2.avsc``) -> padded tensors, and micro-batching.
 
 Everything per-token is moved to *label positions* here, once: position ``t`` of
 ``labels`` / ``loss_mask`` / ``behaviour_logprobs`` / ``advantages`` describes token
 ``t + 1`` of ``input_ids``, which is what the hidden state at ``t`` predicts. The losses
 never shift anything, so an off-by-one cannot hide in two places.
+
+Each sample is scored at its own sampling temperature (:func:`scoring_temperature`), the one
+its LLM span recorded: behaviour log-probs are ``log_softmax(logits / T)``, so scoring at any
+other T puts the importance ratio off even on-policy.
 
 Micro-batches bound memory by a *token budget* (rows x padded length), not a sample
 count: agent calls range from 50 to 5000 tokens. Samples are sorted by length before
@@ -27,6 +31,13 @@ from .losses import loss_normaliser
 logger = logging.getLogger(__name__)
 
 Sample = Mapping[str, Any]
+
+
+def scoring_temperature(sample: Sample) -> float:
+    """The T a sample's tokens are scored at: its recorded sampling temperature, or 1.0 when none
+    was recorded (None) or the call was greedy (0), the logprob convention of
+    ``boltstream.inference.backend``."""
+    return float(sample.get("temperature") or 1.0)
 
 
 def sample_problem(sample: Sample, vocab_size: int | None = None) -> str | None:
@@ -60,6 +71,10 @@ def sample_problem(sample: Sample, vocab_size: int | None = None) -> str | None:
     for m, lp in zip(mask, blp, strict=True):
         if m and not (math.isfinite(lp) and lp <= 1e-4):
             return "bad_behaviour_logprob"
+    temperature = sample.get("temperature")
+    if temperature is not None and not (isinstance(temperature, int | float) and math.isfinite(temperature)
+                                        and temperature >= 0):
+        return "bad_temperature"
     if vocab_size is not None and any(not 0 <= int(t) < vocab_size for t in ids):
         return "token_out_of_vocab"
     return None
@@ -76,6 +91,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor  # [B, T-1] float32, 0 where not trained
     advantages: torch.Tensor  # [B, T-1] float32, the sample's advantage on trained tokens
     weights: torch.Tensor  # [B] float32, the samples' loss_weight
+    temperatures: torch.Tensor  # [B] float32, what each sample is scored at (scoring_temperature)
     policy_versions: torch.Tensor  # [B] long
     sample_ids: list[str]
 
@@ -100,6 +116,7 @@ class Batch:
                     "behaviour_logprobs",
                     "advantages",
                     "weights",
+                    "temperatures",
                     "policy_versions",
                 )
             },
@@ -122,6 +139,7 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> Batch:
     blp = torch.zeros((b, t), dtype=torch.float32)
     adv = torch.zeros(b, dtype=torch.float32)
     weights = torch.ones(b, dtype=torch.float32)
+    temperatures = torch.tensor([scoring_temperature(s) for s in samples], dtype=torch.float32)
     versions = torch.full((b,), -1, dtype=torch.long)
     for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
         input_ids[i, :n] = torch.as_tensor(s["token_ids"], dtype=torch.long)
@@ -140,6 +158,7 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> Batch:
         behaviour_logprobs=torch.where(loss_mask, blp[:, 1:], torch.zeros_like(blp[:, 1:])),
         advantages=adv.unsqueeze(1) * loss_mask.float(),
         weights=weights,
+        temperatures=temperatures,
         policy_versions=versions,
         sample_ids=[str(s.get("sample_id", i)) for i, s in enumerate(samples)],
     )

@@ -49,7 +49,6 @@ class StepConfig:
     max_tokens_per_micro_batch: int = opt(1024, "micro-batch budget, rows x padded length")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
-    temperature: float = 1.0
     pad_token_id: int = opt(0, cli=False)
     compute_entropy: bool = opt(True, "compute the policy entropy metric")
     fused_head: bool = opt(True, "compute log-probs only at trained positions through the LM head")

@@ -91,8 +91,8 @@ class _LinearLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         labels: torch.Tensor,
+        temperatures: torch.Tensor | None,
         chunk_size: int,
-        temperature: float,
         with_entropy: bool,
     ):
         n = hidden.shape[0]
@@ -101,24 +101,22 @@ class _LinearLogprobs(torch.autograd.Function):
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z = _chunk_logits(hidden[start:end], weight, bias, temperature)
+            z = _chunk_logits(hidden[start:end], weight, bias, _rows(temperatures, start, end))
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
             logp[start:end] = z.gather(-1, labels[start:end].unsqueeze(-1)).squeeze(-1) - chunk_lse
             if with_entropy:
                 p = torch.exp(z - chunk_lse.unsqueeze(-1))
                 entropy[start:end] = chunk_lse - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.save_for_backward(hidden, weight, bias, labels, temperatures, lse)
         ctx.chunk_size = chunk_size
-        ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):  # type: ignore[override]
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        hidden, weight, bias, labels, temperatures, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        temperature = ctx.temperature
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
@@ -126,13 +124,14 @@ class _LinearLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]
-            z = _chunk_logits(h, weight, bias, temperature)
+            t = _rows(temperatures, start, end)
+            z = _chunk_logits(h, weight, bias, t)
             g_out = grad_logp[start:end].float()
             # d logp / d z = onehot(label) - softmax(z); z = logits / T
             g = torch.exp(z - lse[start:end].unsqueeze(-1)).mul_(-g_out.unsqueeze(-1))
             g.scatter_add_(-1, labels[start:end].unsqueeze(-1), g_out.unsqueeze(-1))
-            if temperature != 1.0:
-                g.div_(temperature)
+            if t is not None:
+                g.div_(t)
             if grad_h is not None:
                 grad_h[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_w is not None:
@@ -150,15 +149,33 @@ class _LinearLogprobs(torch.autograd.Function):
         )
 
 
+def _rows(temperatures: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Rows ``start:end`` of the per-row temperatures as a ``[n, 1]`` divisor (None: all 1)."""
+    return None if temperatures is None else temperatures[start:end].unsqueeze(-1)
+
+
 def _chunk_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperatures: torch.Tensor | None
 ) -> torch.Tensor:
     z = (h.to(weight.dtype) @ weight.t()).float()
     if bias is not None:
         z = z + bias.float()
-    if temperature != 1.0:
-        z = z / temperature
+    if temperatures is not None:
+        z = z / temperatures
     return z
+
+
+def row_temperatures(temperature: torch.Tensor | float, n: int, device: torch.device) -> torch.Tensor | None:
+    """``temperature`` (one for all rows, or one per row) as a float32 ``[n]`` tensor, or None when
+    every row is at 1 (nothing to divide). Raises ``ValueError`` for a wrong shape or a value <= 0."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    if t.dim() == 0:
+        t = t.expand(n)
+    if t.shape != (n,):
+        raise ValueError(f"temperature must be a scalar or one value per row ({n}); got shape {tuple(t.shape)}")
+    if not bool((t > 0).all()):
+        raise ValueError("temperatures must be > 0 (score greedy calls at 1.0)")
+    return None if bool((t == 1.0).all()) else t
 
 
 def linear_token_logprobs(
@@ -168,7 +185,7 @@ def linear_token_logprobs(
     *,
     bias: torch.Tensor | None = None,
     chunk_size: int = 1024,
-    temperature: float = 1.0,
+    temperature: torch.Tensor | float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` for hidden states ``[N, H]`` through a head ``weight [V, H]``.
@@ -176,15 +193,17 @@ def linear_token_logprobs(
     Pass ONLY the hidden states of positions that carry loss (response tokens): prompt
     positions then never produce logits at all. Memory is ``O(chunk_size * V)`` in forward
     *and* backward (see :class:`_LinearLogprobs`). Returns float32 ``[N]`` log-probs and,
-    if asked, their entropies (metric, no gradient). ``temperature`` divides the logits,
-    for engines whose behaviour log-probs are reported after temperature scaling.
+    if asked, their entropies (metric, no gradient). ``temperature`` (one value, or ``[N]``: one per
+    row, as each sample was sampled at its own) divides the logits, so the log-probs are
+    ``log_softmax(logits / T)``: what inference engines report as behaviour log-probs.
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"hidden must be [N, H] and labels [N]; got {tuple(hidden.shape)}, {tuple(labels.shape)}"
         )
+    temperatures = row_temperatures(temperature, hidden.shape[0], hidden.device)
     logp, entropy = _LinearLogprobs.apply(
-        hidden, weight, bias, labels, int(chunk_size), float(temperature), bool(with_entropy)
+        hidden, weight, bias, labels, temperatures, int(chunk_size), bool(with_entropy)
     )
     return logp, (entropy if with_entropy else None)
 

@@ -29,6 +29,7 @@ from .losses import (
     entropy_from_logits,
     linear_token_logprobs,
     ppo_clip_loss,
+    row_temperatures,
     token_logprobs,
 )
 
@@ -87,9 +88,11 @@ def sequence_logprobs(
     model: torch.nn.Module, batch: Batch, cfg: StepConfig, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Model log-probs of ``batch.labels`` at trained positions, ``[B, T-1]`` float32
-    (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable."""
+    (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable. Each row is
+    scored at its sample's temperature (``batch.temperatures``), as it was sampled."""
     sel = batch.loss_mask
     labels = batch.labels[sel]
+    temperatures = batch.temperatures.unsqueeze(1).expand(sel.shape)[sel]
     parts = _lm_head_parts(model) if cfg.fused_head else None
     if parts is not None:
         decoder, head = parts
@@ -102,14 +105,15 @@ def sequence_logprobs(
             labels,
             bias=head.bias,
             chunk_size=cfg.logprob_chunk_size,
-            temperature=cfg.temperature,
+            temperature=temperatures,
             with_entropy=with_entropy,
         )
     else:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
         picked = logits[:, :-1][sel]
-        if cfg.temperature != 1.0:
-            picked = picked / cfg.temperature
+        divisor = row_temperatures(temperatures, picked.shape[0], picked.device)
+        if divisor is not None:
+            picked = picked / divisor.unsqueeze(-1)
         lp = token_logprobs(picked, labels, cfg.logprob_chunk_size)
         ent = entropy_from_logits(picked, cfg.logprob_chunk_size) if with_entropy else None
     zeros = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)

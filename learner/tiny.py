@@ -57,6 +57,7 @@ def random_samples(
                 "reward": 0.0,
                 "policy_version": policy_version,
                 "agent_name": None,
+                "temperature": None,  # scored at 1.0
             }
         )
     return out

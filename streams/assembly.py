@@ -1,4 +1,4 @@
-"""Spans of one rollout attempt -> a Trajectory (``schemas/trajectory/v1.avsc``).
+"""Spans of one rollout attempt -> a Trajectory (``schemas/trajectory/v2.avsc``).
 
 Why this is its own pure step: spans arrive out of order, repeated (Kafka is
 at-least-once), from several processes (agent, inference worker) whose parent
@@ -361,6 +361,8 @@ def assemble_trajectory_with_stats(
                 "model": llm.get("model"),
                 "start_time_ns": int(span.get("start_time_ns", 0)),
                 "rewards": [dict(r) for r in rewards],
+                # What the response logprobs were computed at: the learner scores the call at it.
+                "temperature": llm.get("temperature"),
             }
         )
 

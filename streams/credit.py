@@ -20,7 +20,8 @@ reward each call gets, pure and deterministic so replays give the same numbers.
 - Loss weight: 1.0, or 1 / T_i with T_i = number of samples of rollout i (its
   trained calls; in trajectory mode a merged sample counts once).
 - Trajectory mode: consecutive calls whose prompt starts with the previous call's
-  prompt + response (same policy version and agent) become one sample; tokens the
+  prompt + response (same policy version, agent and sampling temperature: one
+  sample is scored at one temperature) become one sample; tokens the
   environment inserted between them (tool output, observations) get
   loss_mask False and behaviour logprob 0. A merged sample carries the return
   and advantage of its first call.
@@ -119,7 +120,8 @@ def merge_turns(turns: Sequence[Mapping[str, Any]]) -> list[list[int]]:
     """Indices of turns merged into one sample each (trajectory mode).
 
     Turn j joins the current sample when its prompt starts with the previous
-    turn's prompt + response and it has the same policy version and agent name.
+    turn's prompt + response and it has the same policy version, agent name and
+    temperature (the learner scores a whole sample at one temperature).
     """
     groups: list[list[int]] = []
     previous: list[int] | None = None
@@ -132,6 +134,7 @@ def merge_turns(turns: Sequence[Mapping[str, Any]]) -> list[list[int]]:
                 and prompt[: len(previous)] == previous
                 and turn.get("policy_version", -1) == last.get("policy_version", -1)
                 and turn.get("agent_name") == last.get("agent_name")
+                and turn.get("temperature") == last.get("temperature")
             ):
                 groups[-1].append(j)
                 previous = list(prompt) + list(turn["response_token_ids"])
@@ -188,6 +191,7 @@ def trajectory_samples(
                 "reward": g,
                 "policy_version": int(first.get("policy_version", -1)),
                 "agent_name": first.get("agent_name"),
+                "temperature": first.get("temperature"),
             }
         )
     return samples

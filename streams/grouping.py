@@ -31,7 +31,7 @@ TrainingBatch = dict[str, Any]
 
 DEFAULT_MAX_BATCH_BYTES = 1_000_000
 BYTES_PER_TOKEN = 10
-SAMPLE_OVERHEAD_BYTES = 64
+SAMPLE_OVERHEAD_BYTES = 73  # the fixed-size fields and array framing; +9 for v2's temperature (union + double)
 BATCH_OVERHEAD_BYTES = 96
 
 

@@ -8,6 +8,10 @@ and ``<record>.confluent.bin`` (Confluent wire format, schema ids from ``GOLDEN_
 the encoding of ``tests/unit/schemas/record_examples.py``'s example. Data already in Kafka topics was
 written this way, so a test failing against them means the change would break reading old data or
 other consumers: regenerate only when that is intended (a new schema version), and say so in the commit.
+
+When a record gets a new schema version, move its fixtures into ``v<N>/`` (N = the version they were
+written with) BEFORE regenerating: those bytes stand for the data already in topics, are never
+rewritten, and must keep decoding into today's shape (``OLDER_VERSIONS`` in record_examples.py).
 """
 
 from __future__ import annotations
@@ -50,19 +54,22 @@ TOPICS: dict[str, str] = {
 }
 
 
-def golden_registry() -> InMemorySchemaRegistry:
-    """An in-memory registry holding the newest schema of every record under its golden id."""
+def golden_registry(version: int | None = None) -> InMemorySchemaRegistry:
+    """An in-memory registry holding the newest schema of every record (or schema ``version`` of
+    each: the registry the ``v<version>/`` fixtures were written against) under its golden id."""
     first = min(GOLDEN_SCHEMA_IDS.values())
     registry = InMemorySchemaRegistry(first_id=first)
     for record, schema_id in sorted(GOLDEN_SCHEMA_IDS.items(), key=lambda kv: kv[1]):
-        got = registry.register(f"{TOPICS[record]}-value", default_catalog().latest(record).schema_json)
+        got = registry.register(f"{TOPICS[record]}-value", default_catalog().get(record, version).schema_json)
         assert got == schema_id, (record, got, schema_id)
     return registry
 
 
-def golden_path(record: str, framing: str) -> Path:
-    """``tests/golden/<snake_name>.<single|confluent>.bin``."""
-    return GOLDEN_DIR / f"{snake_case(record)}.{framing}.bin"
+def golden_path(record: str, framing: str, version: int | None = None) -> Path:
+    """``tests/golden/<snake_name>.<single|confluent>.bin`` (today's schema), or the frozen fixture
+    ``tests/golden/v<version>/<snake_name>.<framing>.bin`` written with an older schema version."""
+    folder = GOLDEN_DIR if version is None else GOLDEN_DIR / f"v{version}"
+    return folder / f"{snake_case(record)}.{framing}.bin"
 
 
 def golden_bytes() -> dict[Path, bytes]:

@@ -11,6 +11,7 @@ from boltstream.learner.collate import (
     collate,
     micro_batches,
     sample_problem,
+    scoring_temperature,
     split_by_token_budget,
     step_normaliser,
 )
@@ -39,6 +40,21 @@ def test_collate_shifts_to_label_positions_and_pads() -> None:
     assert batch.policy_versions.tolist() == [3, -1]
     assert batch.sample_ids == ["a", "b"]
     assert (batch.num_loss_tokens, batch.num_input_tokens) == (3, 7)
+    assert batch.temperatures.tolist() == [1.0, 1.0]  # nothing recorded: scored at 1
+
+
+def test_each_sample_is_scored_at_its_recorded_temperature() -> None:
+    """Recorded T as is; not recorded (absent / None, a v1 record) and greedy (0) are scored at 1."""
+    temps = [0.5, 1.25, None, 0.0, "absent"]
+    samples = [_sample([1, 2, 3], 1, [False, True, True], [0, -1, -1], sample_id=str(i),
+                       **({} if t == "absent" else {"temperature": t})) for i, t in enumerate(temps)]  # fmt: skip
+    assert [scoring_temperature(s) for s in samples] == [0.5, 1.25, 1.0, 1.0, 1.0]
+    assert collate(samples).temperatures.tolist() == [0.5, 1.25, 1.0, 1.0, 1.0]
+    # micro-batching sorts by length: each row keeps its own sample's temperature
+    short = _sample([1, 2], 1, [False, True], [0, -1], sample_id="short", temperature=0.5)
+    long = _sample([1, 2, 3, 4], 1, [False, True, True, True], [0, -1, -1, -1], sample_id="long", temperature=0.75)
+    (batch,) = micro_batches([short, long], max_tokens=100)
+    assert dict(zip(batch.sample_ids, batch.temperatures.tolist(), strict=True)) == {"long": 0.75, "short": 0.5}
 
 
 @pytest.mark.parametrize(
@@ -52,6 +68,10 @@ def test_collate_shifts_to_label_positions_and_pads() -> None:
         ({"behaviour_logprobs": [0, 0, math.nan, -1]}, "bad_behaviour_logprob"),
         ({"behaviour_logprobs": [0, 0, 0.5, -1]}, "bad_behaviour_logprob"),
         ({"loss_weight": -1.0}, "bad_loss_weight"),
+        ({"temperature": -0.5}, "bad_temperature"),
+        ({"temperature": math.nan}, "bad_temperature"),
+        ({"temperature": math.inf}, "bad_temperature"),
+        ({"temperature": "hot"}, "bad_temperature"),
         ({"token_ids": [1, 2, 3, 99]}, "token_out_of_vocab"),
         ({"token_ids": None}, "missing_field"),
     ],
@@ -59,6 +79,8 @@ def test_collate_shifts_to_label_positions_and_pads() -> None:
 def test_sample_problem_reasons(change: dict, reason: str) -> None:
     good = _sample([1, 2, 3, 4], 2, [False, False, True, True], [0, 0, -1.0, -1.0])
     assert sample_problem(good, vocab_size=10) is None
+    for temperature in (None, 0.0, 0.7, 2):
+        assert sample_problem({**good, "temperature": temperature}, vocab_size=10) is None
     assert sample_problem({**good, **change}, vocab_size=10) == reason
 
 

@@ -262,6 +262,55 @@ def test_linear_logprobs_match_naive_values_and_gradients(chunk: int, temperatur
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_linear_logprobs_per_row_temperature_hand_computed() -> None:
+    """Row 0 at T = 2: logits log([1, 4, 9]) / 2 = log([1, 2, 3]) -> log(3/6) for label 2.
+    Row 1 at T = 1: logits log([4, 4, 2]) -> log(0.2) for label 2. Row 2 at T = 0.5:
+    logits log([1, 1, 2]) / 0.5 = log([1, 1, 4]) -> log(4/6) for label 2."""
+    logits = torch.log(torch.tensor([[1.0, 4.0, 9.0], [4.0, 4.0, 2.0], [1.0, 1.0, 2.0]]))
+    eye = torch.eye(3)  # hidden = logits, weight = identity: the head computes the logits themselves
+    lp, _ = linear_token_logprobs(logits, eye, torch.tensor([2, 2, 2]), chunk_size=2,
+                                  temperature=torch.tensor([2.0, 1.0, 0.5]))  # fmt: skip
+    assert lp.tolist() == pytest.approx([math.log(3 / 6), math.log(0.2), math.log(4 / 6)], abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_linear_logprobs_per_row_temperatures_match_naive_values_and_gradients(chunk: int) -> None:
+    """Each row divided by its own T, forward and backward, as ``log_softmax(logits / T)`` per row."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 6, generator=g, requires_grad=True)
+    weight = torch.randn(13, 6, generator=g, requires_grad=True)
+    bias = torch.randn(13, generator=g, requires_grad=True)
+    labels = torch.randint(0, 13, (9,), generator=g)
+    upstream = torch.randn(9, generator=g)
+    temps = torch.tensor([0.7, 0.7, 1.0, 1.0, 0.3, 1.6, 0.7, 1.0, 2.0])
+    logits = (hidden @ weight.t() + bias) / temps.unsqueeze(-1)
+    naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(logits, -1)
+    naive_ent = -(p * torch.log(p)).sum(-1)
+    lp, ent = linear_token_logprobs(
+        hidden, weight, labels, bias=bias, chunk_size=chunk, temperature=temps, with_entropy=True
+    )
+    assert torch.allclose(lp, naive, atol=1e-5)
+    assert torch.allclose(ent, naive_ent, atol=1e-5)
+    got = torch.autograd.grad((lp * upstream).sum(), (hidden, weight, bias))
+    want = torch.autograd.grad((naive * upstream).sum(), (hidden, weight, bias))
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    # a tensor of equal values is the same as that one value
+    same, _ = linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=torch.full((9,), 0.7))
+    assert torch.equal(same, linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7)[0])
+
+
+@pytest.mark.parametrize(
+    ("temperature", "match"),
+    [(torch.ones(3), r"one value per row \(4\)"), (0.0, "must be > 0"), (torch.tensor([1.0, 1, -1, 1]), "must be > 0")],
+)
+def test_linear_logprobs_reject_bad_temperatures(temperature, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        linear_token_logprobs(torch.zeros(4, 2), torch.zeros(3, 2), torch.zeros(4, dtype=torch.long),
+                              temperature=temperature)  # fmt: skip
+
+
 def test_linear_logprobs_gradcheck_float64_and_frozen_head() -> None:
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)

@@ -30,12 +30,12 @@ def lora(model: torch.nn.Module, targets=("q_proj", "k_proj", "v_proj", "o_proj"
     )
 
 
-def naive_logprobs(model: torch.nn.Module, sample: dict) -> list[float]:
-    """Full logits over the whole sequence, full log_softmax, a python loop: token t's
-    log-prob comes from position t-1."""
+def naive_logprobs(model: torch.nn.Module, sample: dict, temperature: float = 1.0) -> list[float]:
+    """Full logits over the whole sequence, full log_softmax at ``temperature``, a python loop:
+    token t's log-prob comes from position t-1."""
     ids = torch.tensor([sample["token_ids"]])
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, -1)
     return [float(logp[t - 1, ids[0, t]]) if m and t > 0 else 0.0 for t, m in enumerate(sample["loss_mask"])]
 
 
@@ -55,6 +55,32 @@ def test_model_logprobs_match_naive_forward(variant: str) -> None:
     samples = random_samples(5, VOCAB, seed=2)
     for got, s in zip(with_model_logprobs(model, samples, cfg), samples, strict=True):
         assert got["behaviour_logprobs"] == pytest.approx(naive_logprobs(model, s), abs=1e-5)
+
+
+@pytest.mark.parametrize("fused_head", [True, False])
+def test_each_sample_is_scored_at_its_own_temperature(fused_head: bool) -> None:
+    """One micro-batch mixing temperatures (and a greedy / an unrecorded one, scored at 1):
+    each row's log-probs are log_softmax(logits / its T), on the fused and the plain path."""
+    model = tiny_llama(VOCAB, seed=1)
+    temps = [0.7, 1.3, 0.0, None, 0.7]
+    samples = [{**s, "temperature": t} for s, t in zip(random_samples(5, VOCAB, seed=4), temps, strict=True)]
+    cfg = StepConfig(logprob_chunk_size=3, fused_head=fused_head)
+    for got, s, t in zip(with_model_logprobs(model, samples, cfg), samples, temps, strict=True):
+        assert got["behaviour_logprobs"] == pytest.approx(naive_logprobs(model, s, t or 1.0), abs=1e-5)
+        if t not in (None, 0.0):  # and not at T = 1: the test could tell
+            assert got["behaviour_logprobs"] != pytest.approx(naive_logprobs(model, s), abs=1e-3)
+
+
+def test_on_policy_ratio_is_one_only_at_the_sampling_temperature() -> None:
+    """Behaviour log-probs taken at T = 0.7: the step's ratio is 1 when the samples say 0.7,
+    and off when the same tokens are scored at 1 (the bug of a learner-wide temperature)."""
+    model = tiny_llama(VOCAB, seed=5)
+    samples = random_samples(6, VOCAB, seed=5)
+    at_07 = with_model_logprobs(model, [{**s, "temperature": 0.7} for s in samples])
+    right = evaluate_loss(model, at_07)
+    assert (right.ratio_mean, right.ratio_max) == (pytest.approx(1.0, abs=1e-5), pytest.approx(1.0, abs=1e-5))
+    wrong = evaluate_loss(model, [{**s, "temperature": None} for s in at_07])
+    assert wrong.ratio_max > 1.05
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -109,6 +109,7 @@ TRAJECTORY: dict[str, Any] = {
             "model": "SmolLM2-135M-Instruct",
             "start_time_ns": T0 + 1_000_000,
             "rewards": [REWARD_TOOL_OK],
+            "temperature": 0.7,
         },
         {
             "call_index": 1,
@@ -121,6 +122,7 @@ TRAJECTORY: dict[str, Any] = {
             "model": None,
             "start_time_ns": T0 + 300_000_000,
             "rewards": [],
+            "temperature": None,
         },
     ],
     "final_reward": 1.0,
@@ -153,6 +155,7 @@ SAMPLE: dict[str, Any] = {
     "reward": 1.1,
     "policy_version": 3,
     "agent_name": "calculator",
+    "temperature": 0.7,
 }
 
 TRAINING_BATCH: dict[str, Any] = {
@@ -272,4 +275,19 @@ MINIMAL: dict[str, dict[str, Any]] = {
         "learner_step": 0,
     },
     "DeadLetter": {"reason": "r", "component": "stream", "topic": "boltstream.spans", "value": b""},
+}
+
+
+def _without_temperature(record: dict[str, Any]) -> dict[str, Any]:
+    return {**record, "temperature": None}
+
+
+#: version -> record name -> what that version's fixture (``tests/golden/v<N>/``) decodes to today: the
+#: example as it was then, with the fields added since filled from their defaults.
+OLDER_VERSIONS: dict[int, dict[str, dict[str, Any]]] = {
+    1: {
+        "Trajectory": {**TRAJECTORY, "turns": [_without_temperature(t) for t in TRAJECTORY["turns"]]},
+        "Sample": _without_temperature(SAMPLE),
+        "TrainingBatch": {**TRAINING_BATCH, "samples": [_without_temperature(s) for s in TRAINING_BATCH["samples"]]},
+    },
 }

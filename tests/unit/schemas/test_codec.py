@@ -12,8 +12,15 @@ from fastavro import schemaless_writer
 
 from boltstream.schemas import RECORDS, Codec, InMemorySchemaRegistry, SchemaError
 from boltstream.schemas.loader import default_catalog
-from tests.golden.regenerate import GOLDEN_SCHEMA_IDS, TOPICS, golden_bytes, golden_path, golden_registry
-from tests.unit.schemas.record_examples import EXAMPLES, MINIMAL
+from tests.golden.regenerate import (
+    GOLDEN_DIR,
+    GOLDEN_SCHEMA_IDS,
+    TOPICS,
+    golden_bytes,
+    golden_path,
+    golden_registry,
+)
+from tests.unit.schemas.record_examples import EXAMPLES, MINIMAL, OLDER_VERSIONS
 
 FRAMINGS = ("single", "confluent")
 
@@ -112,6 +119,28 @@ def test_golden_bytes(golden_codec: Codec, record: str, framing: str) -> None:
         "deliberate, run tests/golden/regenerate.py and commit the new fixtures."
     )
     assert golden_codec.decode(path.read_bytes(), topic=TOPICS[record], expect=record) == EXAMPLES[record]
+
+
+OLDER_FIXTURES = [(v, r) for v, records in sorted(OLDER_VERSIONS.items()) for r in records]
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+@pytest.mark.parametrize(("version", "record"), OLDER_FIXTURES)
+def test_older_golden_fixtures_decode_into_the_newest_shape(version: int, record: str, framing: str) -> None:
+    """Data already in topics, written with an older schema version, reads with its new fields defaulted
+    (Confluent: through a registry that holds the old schema under the id the data names)."""
+    path = golden_path(record, framing, version)
+    data = path.read_bytes()
+    codec = Codec(registry=golden_registry(version)) if framing == "confluent" else Codec()
+    if framing == "single":
+        assert data[2:10] == default_catalog().get(record, version).fingerprint
+    assert default_catalog().latest(record).version > version
+    assert codec.decode(data, topic=TOPICS[record], expect=record) == OLDER_VERSIONS[version][record]
+
+
+def test_every_older_fixture_on_disk_is_tested() -> None:
+    tested = {golden_path(r, f, v) for v, r in OLDER_FIXTURES for f in FRAMINGS}
+    assert set(GOLDEN_DIR.glob("v*/*.bin")) == tested
 
 
 def test_golden_confluent_ids_are_fixed() -> None:

@@ -1,7 +1,7 @@
 """Schema evolution: data written with v1 is read with a newer reader schema (added defaulted fields).
 
 The v2 schema lives in a tmp dir layered over the packaged schemas (``Codec(schema_dirs=...)``);
-the package itself only ships v1.
+Span itself ships only v1 (Trajectory, Sample and TrainingBatch have a real v2: see the golden v1 fixtures).
 """
 
 from __future__ import annotations

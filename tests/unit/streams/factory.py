@@ -64,6 +64,7 @@ def llm_block(
     *,
     policy_version: int = 3,
     model: str | None = "m",
+    temperature: float | None = None,
 ) -> dict[str, Any]:
     """The typed ``llm`` block the inference worker writes; logprobs default to -0.5 per response token."""
     return {
@@ -72,7 +73,7 @@ def llm_block(
         "response_logprobs": [-0.5] * len(response) if logprobs is None else list(logprobs),
         "model": model,
         "policy_version": policy_version,
-        "temperature": None,
+        "temperature": temperature,
         "top_p": None,
         "max_tokens": None,
         "seed": None,
@@ -92,6 +93,7 @@ def llm_span(
     parent: str | None = "root",
     logprobs: list[float] | None = None,
     policy_version: int = 3,
+    temperature: float | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
     """An LLM span as the inference worker records it."""
@@ -101,7 +103,7 @@ def llm_span(
         parent=parent,
         start=start,
         end=end,
-        llm=llm_block(prompt, response, logprobs, policy_version=policy_version),
+        llm=llm_block(prompt, response, logprobs, policy_version=policy_version, temperature=temperature),
         **kw,
     )
 
@@ -219,6 +221,7 @@ def turn(
     rewards: list[float] | None = None,
     policy_version: int = 3,
     agent: str | None = None,
+    temperature: float | None = None,
 ) -> dict[str, Any]:
     """A Trajectory Turn."""
     return {
@@ -232,6 +235,7 @@ def turn(
         "model": "m",
         "start_time_ns": call_index * 100,
         "rewards": [{"name": "air", "value": float(v), "source": None} for v in (rewards or [])],
+        "temperature": temperature,
     }
 
 

@@ -22,7 +22,7 @@ def _basic() -> list[dict]:
     return [
         llm_span("l2", [1, 2, 3, 4, 5], [6], start=300, end=400, logprobs=[-0.3]),
         root_span(),
-        llm_span("l1", [1, 2], [3, 4], start=100, end=200, logprobs=[-0.1, -0.2]),
+        llm_span("l1", [1, 2], [3, 4], start=100, end=200, logprobs=[-0.1, -0.2], temperature=0.7),
         reward_span("fin", 1.0, at=900, final=True, primary=True),
     ]
 
@@ -42,6 +42,8 @@ def test_basic_trajectory_orders_calls_and_reads_root() -> None:
     assert first["model"] == "m"
     assert first["start_time_ns"] == 100
     assert first["rewards"] == []
+    assert first["temperature"] == 0.7  # the span's llm.temperature, as recorded
+    assert traj["turns"][1]["temperature"] is None  # not recorded stays unknown (the learner scores at 1)
     assert traj["final_reward"] == 1.0
     assert traj["rewards"] == [{"name": "reward", "value": 1.0, "source": "fin"}]
     assert traj["status"] == "ok"

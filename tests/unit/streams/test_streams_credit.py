@@ -164,7 +164,9 @@ def test_inverse_calls_loss_weights() -> None:
 
 
 def test_per_call_sample_layout() -> None:
-    traj = trajectory("t1:0", [turn(0, [1, 2], [3, 4], logprobs=[-0.1, -0.2], agent="coder")], rollout_id="r1")
+    traj = trajectory(
+        "t1:0", [turn(0, [1, 2], [3, 4], logprobs=[-0.1, -0.2], agent="coder", temperature=0.7)], rollout_id="r1"
+    )
     (sample,) = group_credit([traj]).samples
     assert sample == {
         "sample_id": "t1:0:0",
@@ -181,6 +183,7 @@ def test_per_call_sample_layout() -> None:
         "reward": 1.0,
         "policy_version": 3,
         "agent_name": "coder",
+        "temperature": 0.7,
     }
 
 
@@ -227,6 +230,21 @@ def test_trajectory_mode_does_not_merge_across_policy_versions_or_agents() -> No
     assert merge_turns([turn(0, [1], [2], agent="a"), turn(1, [1, 2, 3], [4], agent="b")]) == [[0], [1]]
     assert merge_turns([turn(0, [1, 2], [3]), turn(1, [1, 2], [4])]) == [[0], [1]]  # prompt does not extend
     assert merge_turns([]) == []
+
+
+def test_trajectory_mode_does_not_merge_across_temperatures() -> None:
+    """One sample is scored at one temperature, so calls sampled at different ones stay apart."""
+    turns = [
+        turn(0, [1], [2], logprobs=[-0.1], temperature=0.7),
+        turn(1, [1, 2, 3], [4], logprobs=[-0.2], temperature=0.7),  # merges: same temperature
+        turn(2, [1, 2, 3, 4], [5], logprobs=[-0.3], temperature=1.0),  # extends, but another temperature
+        turn(3, [1, 2, 3, 4, 5], [6], logprobs=[-0.4], temperature=None),  # unknown is not 1.0 either
+    ]
+    assert merge_turns(turns) == [[0, 1], [2], [3]]
+    first, second, third = group_credit([trajectory("a", turns)], CreditConfig(trajectory_mode=True)).samples
+    assert (first["temperature"], second["temperature"], third["temperature"]) == (0.7, 1.0, None)
+    assert first["token_ids"] == [1, 2, 3, 4] and first["loss_mask"] == [False, True, False, True]
+    assert second["token_ids"] == [1, 2, 3, 4, 5] and second["prompt_length"] == 4
 
 
 def test_group_credit_counts_a_repeated_attempt_once() -> None:

@@ -33,7 +33,7 @@ def test_estimate_sample_bytes_by_hand() -> None:
         "agent_name": None,  # 5
         "token_ids": list(range(10)),  # 10 tokens * 10 bytes
     }
-    assert estimate_sample_bytes(sample) == 64 + 100 + 9 + 7 + 7 + 7 + 5  # = 199
+    assert estimate_sample_bytes(sample) == 73 + 100 + 9 + 7 + 7 + 7 + 5  # = 208
 
 
 def test_estimate_batch_overhead_by_hand() -> None:
@@ -79,29 +79,29 @@ def test_repeated_attempt_counts_once_and_batch_id_is_order_free() -> None:
 
 def test_split_into_numbered_parts_under_the_budget() -> None:
     group = [_big_trajectory("a", 3)]
-    # sample: 64 + 50 tokens * 10 + "a:i" 8 + "r-a" 8 + "a" 6 + "t1" 7 + None 5 = 598 bytes
-    # overhead: 96 + "b1" 7 + "t1" 7 + ["r-a"] 8 = 118 -> budget for two samples: 118 + 2 * 598 = 1314
-    parts = build_training_batches("t1", group, group_size=1, batch_id="b1", max_bytes=1314)
+    # sample: 73 + 50 tokens * 10 + "a:i" 8 + "r-a" 8 + "a" 6 + "t1" 7 + None 5 = 607 bytes
+    # overhead: 96 + "b1" 7 + "t1" 7 + ["r-a"] 8 = 118 -> budget for two samples: 118 + 2 * 607 = 1332
+    parts = build_training_batches("t1", group, group_size=1, batch_id="b1", max_bytes=1332)
     assert [len(p["samples"]) for p in parts] == [2, 1]
     assert [(p["part"], p["num_parts"], p["batch_id"]) for p in parts] == [(0, 2, "b1"), (1, 2, "b1")]
     assert [s["sample_id"] for p in parts for s in p["samples"]] == ["a:0", "a:1", "a:2"]
     assert parts[0]["reward_mean"] == parts[1]["reward_mean"]
     codec = Codec()
     for part in parts:
-        assert len(codec.encode("TrainingBatch", part)) <= 1314
-    assert len(build_training_batches("t1", group, group_size=1, batch_id="b1", max_bytes=1313)) == 3
+        assert len(codec.encode("TrainingBatch", part)) <= 1332
+    assert len(build_training_batches("t1", group, group_size=1, batch_id="b1", max_bytes=1331)) == 3
 
 
 def test_oversized_sample_gets_its_own_part(caplog: pytest.LogCaptureFixture) -> None:
     small = {"sample_id": "s", "rollout_id": "r", "attempt_id": "a", "task_id": "t", "agent_name": None}
     samples = [
-        {**small, "sample_id": "s0", "token_ids": [1] * 5},  # 64 + 50 + 7 + 6 + 6 + 6 + 5 = 144
-        {**small, "sample_id": "big", "token_ids": [1] * 100},  # 64 + 1000 + 8 + 23 = 1095
-        {**small, "sample_id": "s2", "token_ids": [1] * 5},  # 144
-        {**small, "sample_id": "s3", "token_ids": [1] * 5},  # 144
+        {**small, "sample_id": "s0", "token_ids": [1] * 5},  # 73 + 50 + 7 + 6 + 6 + 6 + 5 = 153
+        {**small, "sample_id": "big", "token_ids": [1] * 100},  # 73 + 1000 + 8 + 23 = 1104
+        {**small, "sample_id": "s2", "token_ids": [1] * 5},  # 153
+        {**small, "sample_id": "s3", "token_ids": [1] * 5},  # 153
     ]
     with caplog.at_level(logging.WARNING, logger="boltstream.streams.grouping"):
-        parts = split_samples(samples, max_bytes=300)
+        parts = split_samples(samples, max_bytes=310)
     assert [[s["sample_id"] for s in p] for p in parts] == [["s0"], ["big"], ["s2", "s3"]]
     assert "big" in caplog.text
 
