@@ -176,7 +176,20 @@ def load(
         or DEFAULT_STATE_FILE
     )
     state = read_state(state_path)
+    _warn_unknown(cls, env)
     return _resolve(cls, explicit, env, state, str(state_path))
+
+
+def _warn_unknown(cls: type, env: Mapping[str, str]) -> None:
+    """A variable under a component's own prefix that names no setting is a typo or a removed setting
+    (``BOLTSTREAM_LEARN_TEMPERATURE``): say so rather than ignore it. A warning, not an error, because
+    the exporter resolves its config inside the user's agent, which telemetry must never stop."""
+    prefix = getattr(cls, "env_prefix", ENV_PREFIX)
+    if prefix == ENV_PREFIX:
+        return
+    known = {k.env for k in knobs(cls)}
+    for var in sorted(v for v in env if v.startswith(prefix) and v not in known):
+        log.warning("%s is not a setting of %s; ignored (see --help for the settings)", var, cls.__name__)
 
 
 def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], state: Mapping[str, Any],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,14 @@ def test_kafka_kwargs_follow_settings() -> None:
     assert kw["enable_idempotence"] is True
     assert (kw["sasl_mechanism"], kw["sasl_plain_username"], kw["sasl_plain_password"]) == ("PLAIN", "u", "p")
     assert kw["ssl_context"] is not None
+
+
+def test_a_variable_under_a_components_prefix_that_names_no_setting_is_reported(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from boltstream.learner.config import LearnerConfig
+
+    with caplog.at_level("WARNING", logger="boltstream.config"):
+        cfg = load(LearnerConfig, env={"BOLTSTREAM_LEARN_TEMPERATURE": "0.7", "BOLTSTREAM_LEARN_CLIP_LOW": "0.1",
+                                       "BOLTSTREAM_STREAM_GAMMA": "0.5"}, state_file=os.devnull)
+    assert cfg.step.clip_low == 0.1  # a nested setting, found under the parent's prefix
+    assert [r.getMessage().split()[0] for r in caplog.records] == ["BOLTSTREAM_LEARN_TEMPERATURE"]
