@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from boltstream.schemas import Codec
@@ -42,8 +44,6 @@ def test_a_long_reason_is_bounded_and_says_how_long_it_was() -> None:
 
 
 def test_timestamp_is_when_it_was_dead_lettered() -> None:
-    import time
-
     before = time.time_ns()
     got = dead_letter("r", **WHERE, key=None, value=b"", max_bytes=1_000_000)
     assert before <= got["timestamp_ns"] <= time.time_ns()
