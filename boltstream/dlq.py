@@ -3,9 +3,9 @@
 Why one: input a component cannot use must neither stop it nor vanish. It is kept
 whole on the ``dlq`` topic as a DeadLetter (``schemas/dead_letter/v1.avsc``, built
 by :func:`boltstream.schemas.records.dead_letter`) with the reason and its origin
-topic/partition/offset, keyed by the original key, to inspect or replay. Three
-components used to build and send these their own way; one of them could not
-dead-letter a record near the size limit.
+topic/partition/offset, keyed by the original key, to inspect or replay. One
+builder and one writer, so every component's dead letters fit the broker's
+message size and read the same.
 
 Shaped like aiokafka's producer: ``start``/``stop`` or ``async with``, and
 :meth:`DeadLetterWriter.send` returns the broker-ack future. A caller that must
