@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
-from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID, span_key
+from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID
 
 log = logging.getLogger(__name__)
 
@@ -187,15 +187,21 @@ class MemorySpanSink:
 
 
 class KafkaSpanSink:
-    """Produces Avro-encoded spans to ``settings.topic("spans")`` and awaits the broker's acks."""
+    """Produces Avro-encoded spans to ``settings.topic("spans")`` and awaits the broker's acks.
+
+    A span over the broker's message size (a huge prompt) is truncated exactly as the exporter
+    does it (``boltstream.truncated`` marker, token ids kept longest), not refused: one oversized
+    record would fail the whole response. :attr:`truncated` counts them for the worker's metrics.
+    """
 
     def __init__(self, settings: Any, codec: Any = None, timeout: float = 30.0) -> None:
-        from boltstream.schemas import Codec
+        from boltstream.producers.span_encoder import SpanRecordEncoder
 
         self.settings = settings
-        self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
-        self.topic = settings.topic("spans")
+        self.encoder = SpanRecordEncoder(settings, codec)
+        self.topic = self.encoder.topic
         self.timeout = timeout
+        self.truncated = 0
         self._producer: Any = None
 
     async def start(self) -> None:
@@ -212,11 +218,20 @@ class KafkaSpanSink:
             await self._producer.stop()
             self._producer = None
 
+    def encode(self, span: dict[str, Any]) -> tuple[bytes, bytes]:
+        """(key, value) of one span, cut to the broker's message size when it has to be."""
+        key, value, removed = self.encoder(span)
+        if removed:
+            self.truncated += 1
+            log.warning("span %s of rollout %s truncated to %d bytes; removed %s", span["span_id"],
+                        span.get("rollout_id"), len(value), ", ".join(removed))
+        return key, value
+
     async def send(self, spans: list[dict[str, Any]]) -> None:
         if self._producer is None:
             raise RuntimeError("span sink not started")
-        futures = [
-            await self._producer.send(self.topic, self.codec.encode("Span", s, topic=self.topic), key=span_key(s))
-            for s in spans
-        ]
+        futures = []
+        for span in spans:
+            key, value = self.encode(span)
+            futures.append(await self._producer.send(self.topic, value, key=key))
         await asyncio.wait_for(asyncio.gather(*futures), self.timeout)

@@ -36,7 +36,9 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from boltstream import s3 as s3_mod
+from boltstream.dlq import DeadLetterWriter
 from boltstream.kafka import producer_kwargs, wait_for_broker
+from boltstream.schemas import Codec
 from boltstream.weights.checkpoints import announce_checkpoint
 
 from .config import LearnerConfig
@@ -119,8 +121,9 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
                                window=cfg.dedupe_window, drop_incomplete=cfg.drop_incomplete_groups)
     assembler.dropped.update(state.dropped)
     producer = AIOKafkaProducer(**producer_kwargs(settings))
-    source = BatchSource(settings, assembler, start=state.offsets, dlq_producer=producer)
-    codec = source.codec
+    codec = Codec.from_registry_url(settings.schema_registry_url)
+    dlq = DeadLetterWriter(settings, codec, "learner", producer=producer)
+    source = BatchSource(settings, assembler, codec=codec, start=state.offsets, dlq=dlq)
     sink: MetricsSink | None = None
     try:
         sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)

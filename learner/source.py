@@ -10,6 +10,7 @@ assembler and copied whole to the ``dlq`` topic.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -18,14 +19,13 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from boltstream.config import Settings
+from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import BoltstreamError
 from boltstream.kafka import consumer_kwargs, log_end_offsets
 
 from .consumer import GroupAssembler
 
 logger = logging.getLogger(__name__)
-
-COMPONENT = "learner"
 
 
 class TopicMissingError(BoltstreamError):
@@ -36,7 +36,7 @@ class BatchSource:
     """Feeds every record of ``settings.topic('batches')`` to a :class:`GroupAssembler`, in log order."""
 
     def __init__(self, settings: Settings, assembler: GroupAssembler, *, codec: Any = None,
-                 start: Mapping[int, int] | None = None, dlq_producer: Any = None) -> None:
+                 start: Mapping[int, int] | None = None, dlq: DeadLetterWriter | None = None) -> None:
         from boltstream.schemas import Codec
 
         self.settings = settings
@@ -44,7 +44,7 @@ class BatchSource:
         self.assembler = assembler
         self.codec = codec or Codec.from_registry_url(settings.schema_registry_url)
         self.start_offsets = {int(p): int(o) for p, o in (start or {}).items()}
-        self.dlq_producer = dlq_producer
+        self.dlq = dlq
         self.records_read = 0
         self.last_record_at = time.monotonic()
         self._consumer: AIOKafkaConsumer | None = None
@@ -108,17 +108,14 @@ class BatchSource:
         return count
 
     async def _dead_letter(self, record: Any, reason: str) -> None:
-        if self.dlq_producer is None:
+        """Waits for the broker's ack, so a checkpoint's offsets never pass an unwritten dead letter.
+
+        Best effort: a failure is logged by the writer and the drop is already counted.
+        """
+        if self.dlq is None:
             return
-        letter = {"reason": reason[:1000], "component": COMPONENT, "topic": record.topic,
-                  "partition": record.partition, "offset": record.offset, "key": record.key,
-                  "value": record.value or b"", "timestamp_ns": int(record.timestamp or 0) * 1_000_000}
-        dlq = self.settings.topic("dlq")
-        try:
-            value = self.codec.encode("DeadLetter", letter, topic=dlq)
-            await self.dlq_producer.send_and_wait(dlq, value, key=record.key)
-        except Exception as exc:  # the DLQ is best effort; the drop is already counted
-            logger.error("could not dead-letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
+        with contextlib.suppress(Exception):
+            await (await self.dlq.reject(record, reason, "undecodable"))
 
     def offsets(self) -> list[dict[str, Any]]:
         """The manifest form of the resume positions: ``[{topic, partition, offset}]``."""

@@ -1,4 +1,4 @@
-"""Consumer-side helpers shared by the runner and the OTLP ingest: offset tracking and dead letters.
+"""Consumer-side offset tracking shared by the runner and the OTLP ingest.
 
 Which offsets may be committed. Tasks finish out of order (a short task after
 a long one). Committing offset 8 while task 5 still runs would, after a crash,
@@ -9,24 +9,13 @@ Entries are handles: :meth:`OffsetTracker.start` returns one and
 revoked its entries are forgotten; a task still running from before then
 finishes on an orphaned handle and cannot mark a newer run of the same offset
 done by mistake.
-
-Dead letters. Input a component cannot use is kept whole, not logged and
-lost: a DeadLetter (schemas/dead_letter/v1.avsc) holds the original key and
-value, where they came from (topic, partition, offset) and why they were
-rejected, on the ``dlq`` topic keyed by the original key, to inspect or replay.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import time
 from collections.abc import Iterable
-from typing import Any, Generic, TypeVar
-
-from boltstream.config import Settings
-
-log = logging.getLogger(__name__)
+from typing import Generic, TypeVar
 
 TP = TypeVar("TP")
 
@@ -97,51 +86,3 @@ class OffsetTracker(Generic[TP]):
             self._position.pop(tp, None)
             lost += sum(1 for e in entries or () if not e.done)
         return lost
-
-
-class DeadLetterWriter:
-    """Lazily started producer for the dlq topic; ``send`` waits for the broker's ack."""
-
-    def __init__(self, settings: Settings, codec: Any, component: str) -> None:
-        self.settings = settings
-        self.codec = codec
-        self.component = component
-        self.topic = settings.topic("dlq")
-        self._producer: Any = None
-        self.sent = 0
-
-    def record(self, source: Any, reason: str) -> dict[str, Any]:
-        """The DeadLetter dict for a consumed aiokafka record (or anything with the same fields)."""
-        value = source.value if source.value is not None else b""
-        limit = self.settings.max_message_bytes - 4096
-        if len(value) > limit:  # keep what fits; say so
-            reason = f"{reason} (value truncated from {len(value)} bytes)"
-            value = value[:limit]
-        return {
-            "reason": reason,
-            "component": self.component,
-            "topic": source.topic,
-            "partition": int(source.partition),
-            "offset": int(source.offset),
-            "key": source.key,
-            "value": value,
-            "timestamp_ns": time.time_ns(),
-        }
-
-    async def send(self, source: Any, reason: str) -> None:
-        if self._producer is None:
-            from aiokafka import AIOKafkaProducer
-
-            from boltstream.kafka import producer_kwargs
-
-            producer = AIOKafkaProducer(**producer_kwargs(self.settings))
-            await producer.start()
-            self._producer = producer
-        data = self.codec.encode("DeadLetter", self.record(source, reason), topic=self.topic)
-        await self._producer.send_and_wait(self.topic, data, key=source.key)
-        self.sent += 1
-
-    async def close(self) -> None:
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            await producer.stop()

@@ -32,6 +32,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from boltstream.schemas.records import (
+    REWARD_NAME,
+    REWARD_PRIMARY,
+    REWARD_SPAN,
+    REWARD_VALUE,
+    ROLLOUT_SPAN,
+    SPAN_KIND,
+)
+
 from .attributes import (
     INT32_MAX,
     as_float,
@@ -77,9 +86,9 @@ def first(attrs: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
 
 def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
     """boltstream's coarse span kind: rollout, reward, llm, tool, agent, chain, ... or None if unknown."""
-    if name == "boltstream.rollout":
+    if name == ROLLOUT_SPAN:
         return "rollout"
-    if name == "boltstream.reward":
+    if name == REWARD_SPAN:
         return "reward"
     oi = attrs.get("openinference.span.kind")
     if isinstance(oi, str) and oi:
@@ -250,14 +259,14 @@ def derived_attributes(name: str, attrs: Mapping[str, Any]) -> tuple[dict[str, A
     """
     added: dict[str, Any] = {}
     consumed: list[str] = []
-    kind = attrs.get("boltstream.span.kind") or span_kind(name, attrs)
-    if kind and "boltstream.span.kind" not in attrs:
-        added["boltstream.span.kind"] = kind
-    if kind == "reward" and "boltstream.reward.value" not in attrs:
+    kind = attrs.get(SPAN_KIND) or span_kind(name, attrs)
+    if kind and SPAN_KIND not in attrs:
+        added[SPAN_KIND] = kind
+    if kind == "reward" and REWARD_VALUE not in attrs:
         agl = _agl_reward(attrs)
         if agl is not None:
-            added["boltstream.reward.name"], added["boltstream.reward.value"] = agl
-            added["boltstream.reward.primary"] = True
+            added[REWARD_NAME], added[REWARD_VALUE] = agl
+            added[REWARD_PRIMARY] = True
     llm = None
     if kind == "llm":
         msgs_in, msgs_out, consumed = messages(attrs)

@@ -22,13 +22,15 @@ import dataclasses
 import logging
 import signal
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from boltstream.config import Settings, flags_from_dataclass, load, opt
 
-from .consuming import DeadLetterWriter
 from .normalise import normalise
 from .otlp_decode import OtlpDecodeError, decode
+
+if TYPE_CHECKING:
+    from boltstream.dlq import DeadLetterWriter
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +79,14 @@ class OtlpIngest:
     async def run(self) -> IngestStats:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+        from boltstream.dlq import DeadLetterWriter
         from boltstream.kafka import consumer_kwargs, producer_kwargs
 
         from .span_encoder import SpanRecordEncoder
 
         settings = self.config.settings
         encoder = SpanRecordEncoder(settings)
-        dlq = DeadLetterWriter(settings, encoder.codec, component="otlp_ingest")
+        dlq = DeadLetterWriter(settings, encoder.codec, "otlp_ingest")  # its producer starts on first use
         consumer = AIOKafkaConsumer(self.config.topic, **consumer_kwargs(settings, self.config.group))
         producer = AIOKafkaProducer(**producer_kwargs(settings, max_batch_size=settings.max_message_bytes))
         await producer.start()
@@ -111,10 +114,11 @@ class OtlpIngest:
         finally:
             await consumer.stop()
             await producer.stop()
-            await dlq.close()
+            await dlq.stop()
         return self.stats
 
     async def _one(self, record: Any, encoder: Any, producer: Any, dlq: DeadLetterWriter) -> list[Any]:
+        """The broker-ack futures of what ``record`` became: its spans, or its dead letter."""
         self.stats.messages += 1
         try:
             if not record.value:
@@ -127,11 +131,8 @@ class OtlpIngest:
                     self.stats.truncated += 1
                 encoded.append((key, value))
         except Exception as exc:  # undecodable or unencodable: keep it whole, say why
-            reason = f"{type(exc).__name__}: {exc}"
-            log.warning("%s[%d]@%d: %s; sent to the DLQ", record.topic, record.partition, record.offset, reason)
-            await dlq.send(record, reason)
             self.stats.dead_letters += 1
-            return []
+            return [await dlq.reject(record, f"{type(exc).__name__}: {exc}")]
         futures = [await producer.send(encoder.topic, value, key=key) for key, value in encoded]
         self.stats.spans += len(futures)
         return futures

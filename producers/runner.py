@@ -163,12 +163,8 @@ class Runner:
             self._changed.set()
 
     async def _dead_letter(self, record: Any, reason: str) -> None:
-        from .consuming import DeadLetterWriter
-
-        log.error("tasks %s[%d]@%d: %s; sent to the DLQ", record.topic, record.partition, record.offset, reason)
-        if self._dlq is None:
-            self._dlq = DeadLetterWriter(self.config.settings, self._codec, component="runner")
-        await self._dlq.send(record, reason)
+        """The task's offset is marked done only after the broker acked its dead letter."""
+        await (await self._dlq.reject(record, reason, "undecodable"))
 
     # ---------------------------------------------------------------- offsets
 
@@ -231,6 +227,7 @@ class Runner:
     async def run(self) -> int:
         from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
+        from boltstream.dlq import DeadLetterWriter
         from boltstream.kafka import consumer_kwargs
         from boltstream.schemas import Codec
 
@@ -239,6 +236,7 @@ class Runner:
 
         settings = self.config.settings
         self._codec = Codec.from_registry_url(settings.schema_registry_url)
+        self._dlq = DeadLetterWriter(settings, self._codec, "runner")  # its producer starts on first use
         self._exporter = KafkaSpanExporter(settings=settings, install_rollout_processor=False)
         self._provider = setup_tracing(settings, service_name="boltstream-runner", exporter=self._exporter)
         runner = self
@@ -297,7 +295,7 @@ class Runner:
                     await pacing
             await self._consumer.stop()
             if self._dlq is not None:
-                await self._dlq.close()
+                await self._dlq.stop()
         return self.exit_code
 
     async def _drain(self) -> None:

@@ -8,6 +8,7 @@ rest of boltstream, so every layer may depend on it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,3 +49,55 @@ def span_key(span: Mapping[str, Any]) -> bytes:
     stream app's completeness rule (LLM spans before the root span) depends on it.
     """
     return str(span.get("rollout_id") or span["trace_id"]).encode("utf-8")
+
+
+# Dead letters (schemas/dead_letter/v1.avsc). The reason is for a human reading the DLQ; an
+# exception message can be a whole payload, so it is bounded. The value is cut to what fits the
+# broker's message size once the envelope is counted: a dead letter that cannot be written loses
+# the very record it was meant to keep.
+MAX_REASON_CHARS = 1000
+# Avro field framing, the registry header and the Kafka record/batch framing around the fields
+# counted exactly below (reason, component, topic, and the key: in the record and in the envelope).
+ENVELOPE_BYTES = 1024
+
+
+def dead_letter(
+    reason: str,
+    *,
+    component: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    max_bytes: int,
+    now_ns: int | None = None,
+) -> dict[str, Any]:
+    """The DeadLetter record for input ``component`` could not use, sized to fit ``max_bytes``.
+
+    A value too large is cut and the reason says from how many bytes, so a reader knows the
+    copy is partial. ``timestamp_ns`` is when the record was dead-lettered (now unless given),
+    not when it was produced: the DLQ is read to see what failed recently.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"dead_letter: max_bytes must be > 0, got {max_bytes}")
+    if len(reason) > MAX_REASON_CHARS:
+        reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason)} chars)"
+    data = bytes(value) if value is not None else b""
+    key = bytes(key) if key is not None else None
+    envelope = (ENVELOPE_BYTES + len(reason.encode("utf-8")) + len(component.encode("utf-8"))
+                + len(topic.encode("utf-8")) + 2 * len(key or b""))
+    limit = max(0, max_bytes - envelope)
+    if len(data) > limit:
+        reason = f"{reason} (value truncated from {len(data)} bytes)"
+        data = data[:limit]
+    return {
+        "reason": reason,
+        "component": component,
+        "topic": topic,
+        "partition": int(partition),
+        "offset": int(offset),
+        "key": key,
+        "value": data,
+        "timestamp_ns": time.time_ns() if now_ns is None else int(now_ns),
+    }

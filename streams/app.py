@@ -37,11 +37,11 @@ from typing import Any
 import faust
 
 from boltstream.config import Settings
+from boltstream.dlq import DeadLetterWriter
 from boltstream.kafka import HEARTBEAT_INTERVAL_MS, REBALANCE_TIMEOUT_MS, SESSION_TIMEOUT_MS, ssl_context
 from boltstream.schemas import Codec
 
 from .config import StreamConfig, load_stream_config
-from .dlq import DeadLetters
 from .stages import GroupStage, RolloutStage
 from .tables import ChangelogMap, catch_up
 from .transport import StreamFaustApp
@@ -52,6 +52,7 @@ DRAIN_TIMEOUT_S = 5.0
 # Records per fetch, so per batch handed to a stage: big enough that a rollout's spans usually share
 # one chunk write, small enough that one batch (~0.1 ms a span) does not hold the loop for long.
 MAX_POLL_RECORDS = 1000
+COMPONENT = "stream"  # the DeadLetter's ``component``
 
 
 def broker_credentials(settings: Settings) -> Any:
@@ -118,7 +119,10 @@ class StreamApp:
             ChangelogMap(app, "group-trajectories", "trajectories of open groups, by attempt id", n),
             ChangelogMap(app, "groups-emitted", "groups already emitted", n),
         )
-        self.dlq = DeadLetters(app, self.codec, settings.topic("dlq"), settings.max_message_bytes)
+        # Through faust's producer: faust flushes it before every offset commit, so a source offset
+        # is never committed before its dead letter is acked.
+        self.dlq = DeadLetterWriter(settings, self.codec, COMPONENT,
+                                    send=lambda topic, key, value: app.producer.send(topic, key, value, None, None, None))
         self.rollouts = RolloutStage(app, *self.rollout_tables, config, self.codec, self.dlq)
         self.groups = GroupStage(app, *self.group_tables, config, self.codec, self.dlq)
         self.spans_topic = app.topic(settings.topic("spans"), key_type=bytes, value_type=bytes)

@@ -29,12 +29,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
 
 from .accumulator import Accumulator, Entry, Output
 from .assembly import assemble_trajectory_with_stats
 from .config import StreamConfig
-from .dlq import DeadLetters, dead_letter
 from .grouping import build_training_batches
 from .spans import is_rollout_root
 from .tables import ChangelogMap, unpack_items
@@ -55,7 +55,7 @@ class _Stage(Accumulator):
         markers: ChangelogMap,
         config: StreamConfig,
         codec: Codec,
-        dlq: DeadLetters,
+        dlq: DeadLetterWriter,
     ) -> None:
         super().__init__(app, items, markers, config.forget_after_s)
         self.config = config
@@ -70,16 +70,10 @@ class _Stage(Accumulator):
         log.error("%s %s: %s; sent to the DLQ", self.kind, entry.key, reason)
         self.dlq.counts[f"{self.kind}_failed"] += 1
         raw = next((unpack_items(v)[0] for k in sorted(entry.chunks) if (v := self.items.get(k))), b"")
-        record = dead_letter(
-            f"{self.kind} {entry.key}: {reason}",
-            topic=self.in_topic,
-            partition=entry.partition,
-            offset=-1,
-            key=entry.key.encode(),
-            value=raw,
-            max_bytes=self.dlq.max_bytes,
-        )
-        return [(self.dlq.topic, entry.key.encode(), self.codec.encode("DeadLetter", record, topic=self.dlq.topic))]
+        key = entry.key.encode()
+        letter = self.dlq.encode(f"{self.kind} {entry.key}: {reason}", topic=self.in_topic,
+                                 partition=entry.partition, offset=-1, key=key, value=raw)
+        return [(self.dlq.topic, key, letter)]
 
     def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
         """(reason, DLQ category) when a decoded record cannot be accumulated, else None."""

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from boltstream.config import Settings, load
+from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import ConfigError
 from boltstream.schemas import Codec
 from boltstream.streams.config import StreamConfig
-from boltstream.streams.dlq import DeadLetters
 from boltstream.streams.stages import GroupStage, RolloutStage
 from boltstream.streams.tables import ChangelogMap, make_key, pack_items, split_key, unpack_items
 from tests.unit.streams.factory import llm_span, reward_span, root_span, tool_span
@@ -64,7 +64,8 @@ def make(stage_cls: type, auto_ack: bool = True, **knobs: Any) -> tuple[Any, Fak
     config = load(StreamConfig, {"settings": Settings(namespace="u."), **knobs}, env={})
     items = ChangelogMap(app, f"{stage_cls.kind}-items", "", 4)
     markers = ChangelogMap(app, f"{stage_cls.kind}-markers", "", 4)
-    dlq = DeadLetters(app, CODEC, "u.dlq", 1_000_000)
+    dlq = DeadLetterWriter(config.settings, CODEC, "stream",
+                           send=lambda topic, key, value: app.producer.send(topic, key, value, None, None, None))
     stage = stage_cls(app, items, markers, config, CODEC, dlq)
     stage.ready = True
     return stage, app
