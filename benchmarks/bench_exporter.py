@@ -73,8 +73,9 @@ from boltstream.config import read_state
 from boltstream.processes import free_port
 from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
 from boltstream.producers.normalise import SpanNormaliser
+from boltstream.producers.rollout_processor import install_rollout_processor
 from boltstream.producers.span_encoder import SpanRecordEncoder
-from boltstream.producers.tracing import BSP_DEFAULTS, install_rollout_processor
+from boltstream.producers.tracing import BSP_DEFAULTS
 from boltstream.stack import embedded_stack
 
 RESULTS = Path(__file__).parent / "results"

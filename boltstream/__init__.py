@@ -20,7 +20,7 @@ _LAZY = {
     "current_rollout": "boltstream.producers.context",
     "rollout_headers": "boltstream.producers.context",
     "rollout_base_url": "boltstream.producers.context",
-    "setup_tracing": "boltstream.producers.context",
+    "setup_tracing": "boltstream.producers.tracing",
     "KafkaSpanExporter": "boltstream.producers.exporter",
     "Settings": "boltstream.config",
 }

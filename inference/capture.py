@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
+from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers
 from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,6 @@ class CallContext:
     def from_request(cls, headers: Mapping[str, str], path_ids: Mapping[str, str] | None,
                      capture: bool = True) -> CallContext:
         """Ids from the base URL win over headers (an explicit per-client setting); then baggage."""
-        from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers
-
         if capture is False or (headers.get(HEADER_CAPTURE) or headers.get(HEADER_CAPTURE.lower()) or "").strip().lower() == "off":
             return cls(capture=False, trace_id=secrets.token_hex(16), start_ns=time.time_ns())
 

@@ -32,7 +32,7 @@ from boltstream.inference.capture import CallContext, SpanSink
 from boltstream.inference.protocol import ApiError, error_body, parse_json
 from boltstream.inference.reload import CheckpointFollower, ReloadStatus
 from boltstream.inference.service import CompletionService, Metrics
-from boltstream.producers.headers import NO_CAPTURE_SEGMENT
+from boltstream.producers.headers import NO_CAPTURE_SEGMENT, decode_segment, parse_rollout_path
 from boltstream.schemas.records import ROLLOUT_ID
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,6 @@ MAX_HEALTH_WAIT = 300.0
 
 def rollout_ids_from_path(path: str) -> tuple[dict[str, str], str] | None:
     """(ids, path without the rollout segment) for ``/rollout/<r>/<a>/<t>/v1/...`` or ``/rollout/<r>/v1/...``."""
-    from boltstream.producers.headers import decode_segment, parse_rollout_path
-
     parsed = parse_rollout_path(path)
     if parsed is not None and (parsed[1].endswith("/v1") or "/v1/" in parsed[1]):
         return parsed

@@ -7,7 +7,7 @@ TracerProvider or ``opentelemetry-instrument``'s, sync or async code, threads).
 * :func:`rollout` opens the root span ``boltstream.rollout`` in a NEW trace
   (one trace per rollout; the spans topic is keyed by rollout id), puts the ids
   in OTel baggage and in a context variable, and registers the rollout so
-  :class:`~boltstream.producers.tracing.RolloutSpanProcessor` can stamp every
+  :class:`~boltstream.producers.rollout_processor.RolloutSpanProcessor` can stamp every
   span started inside, even in a thread that lost the context.
 * The root span ends with ``boltstream.status`` = ``ok`` | ``failed`` |
   ``timeout`` and, when not ok, ``boltstream.error`` = ``"Type: message"``.
@@ -27,13 +27,11 @@ downstream dedupe recognises the attempt.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import logging
 import math
 import numbers
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +42,9 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
 from boltstream.schemas import records
+
+from . import headers as wire
+from .rollout_processor import _ACTIVE, _ACTIVE_LOCK, _CURRENT, current_rollout, install_rollout_processor
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +103,12 @@ class RolloutContext:
     @property
     def headers(self) -> dict[str, str]:
         """HTTP headers for calls to the inference worker (OpenAI ``default_headers``)."""
-        from .headers import rollout_headers
-
-        return rollout_headers(self)
+        return wire.headers_for(self)
 
     @property
     def openai_base_url(self) -> str | None:
         """``base_url`` with the ids in the path, for agents that cannot set headers."""
-        from .headers import rollout_base_url
-
-        return rollout_base_url(self.base_url, self) if self.base_url else None
+        return wire.base_url_for(self.base_url, self) if self.base_url else None
 
     def mark(self, status: str, error: BaseException | str | None = None) -> None:
         """Record the outcome (``ok`` | ``failed`` | ``timeout``) before the root span ends."""
@@ -135,30 +132,6 @@ class RolloutContext:
         self.final_emitted = True
         for name, value, is_primary in rewards:
             _reward_span(self, name, value, final=True, primary=is_primary)
-
-
-_CURRENT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("boltstream_rollout",
-                                                                                 default=None)
-_ACTIVE: dict[int, RolloutContext] = {}  # trace_id -> rollout, for spans whose context was lost
-_ACTIVE_LOCK = threading.Lock()
-
-
-def active_rollouts() -> list[RolloutContext]:
-    with _ACTIVE_LOCK:
-        return list(_ACTIVE.values())
-
-
-def rollout_for_trace(trace_id: int) -> RolloutContext | None:
-    return _ACTIVE.get(trace_id)
-
-
-def current_rollout() -> RolloutContext | None:
-    """The rollout this code runs in: the context variable, else the only rollout active in the process."""
-    ctx = _CURRENT.get()
-    if ctx is not None:
-        return ctx
-    with _ACTIVE_LOCK:
-        return next(iter(_ACTIVE.values())) if len(_ACTIVE) == 1 else None
 
 
 def _check_value(name: str, value: Any) -> float:
@@ -248,8 +221,6 @@ def rollout(
     An exception marks the rollout ``failed`` (``timeout`` for
     :class:`RolloutTimeout`) and propagates.
     """
-    from .tracing import install_rollout_processor
-
     install_rollout_processor()
     default_attempt, default_rollout = attempt_ids(task_id, attempt, run_id)
     attempt_id = attempt_id or default_attempt
@@ -352,20 +323,13 @@ def rollout_fn(fn: F | None = None, *, task_id: str | None = None, attempt: int 
     return decorate(fn) if fn is not None else decorate
 
 
-_ELSEWHERE = {
-    "rollout_headers": "boltstream.producers.headers",
-    "rollout_base_url": "boltstream.producers.headers",
-    "parse_rollout_path": "boltstream.producers.headers",
-    "setup_tracing": "boltstream.producers.tracing",
-    "RolloutSpanProcessor": "boltstream.producers.tracing",
-}
+def rollout_headers(ctx: RolloutContext | None = None) -> dict[str, str]:
+    """Headers for the current rollout (or ``ctx``); {} outside any rollout."""
+    ctx = ctx or current_rollout()
+    return wire.headers_for(ctx) if ctx is not None else {}
 
 
-def __getattr__(name: str) -> Any:
-    """``from .context import rollout_headers`` works (the helpers live next door)."""
-    module = _ELSEWHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+def rollout_base_url(base_url: str, ctx: RolloutContext | None = None) -> str:
+    """The base URL with the current rollout's (or ``ctx``'s) ids in the path; unchanged outside one."""
+    ctx = ctx or current_rollout()
+    return wire.base_url_for(base_url, ctx) if ctx is not None else base_url

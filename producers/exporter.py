@@ -38,8 +38,12 @@ from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from boltstream.config import Settings, load
+from boltstream.errors import ConfigError
 
+from .normalise import SpanNormaliser
+from .rollout_processor import install_rollout_processor
 from .sender import Counters, Encoded, KafkaSender, SpanBuffer
+from .span_encoder import SpanRecordEncoder
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ class ExporterConfig:
     install_rollout_processor: bool = True
 
     def __post_init__(self) -> None:
-        from boltstream.errors import ConfigError
-
         for name in ("buffer_size", "batch_size", "export_timeout_ms", "request_timeout_ms", "retry_backoff_ms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.env_prefix}{name.upper()}", getattr(self, name), "must be >= 1")
@@ -130,8 +132,6 @@ class KafkaSpanExporter(SpanExporter):
         self._stopped = False
         self._encoder: Any = None
         if config.install_rollout_processor:
-            from .tracing import install_rollout_processor
-
             install_rollout_processor()
         if hasattr(os, "register_at_fork"):  # weakly: a fork hook must not keep exporters alive
             ref = weakref.ref(self)
@@ -203,8 +203,6 @@ class KafkaSpanExporter(SpanExporter):
 
     def _get_encoder(self) -> Any:
         if self._encoder is None:
-            from .normalise import SpanNormaliser
-            from .span_encoder import SpanRecordEncoder
 
             d = self.config.defaults
             normaliser = SpanNormaliser({"rollout_id": d.rollout_id, "attempt_id": d.attempt_id,

@@ -5,12 +5,12 @@ key it by the same rollout id as the agent's spans. Most clients accept
 ``default_headers``; some agents only let you set a base URL, so the ids can
 ride in the path instead.
 
-Headers (:func:`rollout_headers`): ``X-Boltstream-Rollout-Id``,
+Headers (:func:`headers_for`): ``X-Boltstream-Rollout-Id``,
 ``X-Boltstream-Attempt-Id``, ``X-Boltstream-Task-Id`` (omitted when there is no
 task), plus W3C ``traceparent`` (the rollout's root span, so the worker's
 span joins the rollout's trace) and ``baggage`` (the same ids).
 
-Base URL (:func:`rollout_base_url`), the exact form the worker parses with
+Base URL (:func:`base_url_for`), the exact form the worker parses with
 :func:`parse_rollout_path`::
 
     {root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1
@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .context import ID_KEYS, RolloutContext, current_rollout
+from boltstream.schemas.records import ID_ATTRIBUTES as ID_KEYS
+
+if TYPE_CHECKING:
+    from .context import RolloutContext
 
 HEADER_ROLLOUT_ID = "X-Boltstream-Rollout-Id"
 HEADER_ATTEMPT_ID = "X-Boltstream-Attempt-Id"
@@ -47,11 +50,8 @@ _TRACE = TraceContextTextMapPropagator()
 _BAGGAGE = W3CBaggagePropagator()
 
 
-def rollout_headers(ctx: RolloutContext | None = None) -> dict[str, str]:
-    """Headers for the current rollout (or ``ctx``); {} outside any rollout."""
-    ctx = ctx or current_rollout()
-    if ctx is None:
-        return {}
+def headers_for(ctx: RolloutContext) -> dict[str, str]:
+    """The headers that carry ``ctx``'s ids to the inference worker."""
     if not ctx.capture:
         return {HEADER_CAPTURE: "off"}
     headers = {HEADER_ROLLOUT_ID: ctx.rollout_id, HEADER_ATTEMPT_ID: ctx.attempt_id}
@@ -104,14 +104,8 @@ def decode_segment(segment: str) -> str | None:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
 
 
-def rollout_base_url(base_url: str, ctx: RolloutContext | None = None) -> str:
-    """``{root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1`` for the current rollout (or ``ctx``).
-
-    Outside a rollout the base URL is returned unchanged.
-    """
-    ctx = ctx or current_rollout()
-    if ctx is None:
-        return base_url
+def base_url_for(base_url: str, ctx: RolloutContext) -> str:
+    """``{root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1`` for ``ctx``."""
     root = base_url.rstrip("/")
     if root.endswith("/v1"):
         root = root[:-3]

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 import boltstream
 from boltstream.config import Settings
 from boltstream.producers.exporter import KafkaSpanExporter
-from boltstream.producers.tracing import install_rollout_processor
+from boltstream.producers.rollout_processor import install_rollout_processor
 
 
 class Weird:

@@ -23,17 +23,17 @@ from boltstream.producers.context import (
     current_rollout,
     emit_reward,
     rollout,
+    rollout_base_url,
     rollout_fn,
+    rollout_headers,
 )
 from boltstream.producers.headers import (
     decode_segment,
     encode_segment,
     ids_from_headers,
     parse_rollout_path,
-    rollout_base_url,
-    rollout_headers,
 )
-from boltstream.producers.tracing import install_rollout_processor
+from boltstream.producers.rollout_processor import install_rollout_processor
 
 
 @pytest.fixture
