@@ -63,7 +63,7 @@ def full_checkpoint(model: str, out: Path, dtype: str | None = None) -> Path:
     learner writes its serving copy (``boltstream learn --publish-dtype``)."""
     src = model_dir(model)
     if dtype:
-        from boltstream.learner.trainer import save_weights
+        from boltstream.learner.model_setup import save_weights
 
         base, tokenizer = load_model(model)
         save_weights(base, tokenizer, out, dtype)

@@ -54,8 +54,8 @@ import torch
 from boltstream.examples.calc import agent as calc
 from boltstream.examples.calc.tasks import train_test
 from boltstream.learner.config import LearnerConfig
+from boltstream.learner.model_setup import adamw, build_model, pad_token_id
 from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs
-from boltstream.learner.trainer import adamw, build_model, pad_token_id
 from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
 from boltstream.runs.pipeline import PipelineConfig, mean_and_se
 from boltstream.weights.models import stop_token_ids

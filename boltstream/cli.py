@@ -13,6 +13,7 @@ import logging
 import sys
 
 from boltstream.errors import BoltstreamError
+from boltstream.schemas.errors import SchemaError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(module.main(rest) or 0)
-    except BoltstreamError as exc:
+    except (BoltstreamError, SchemaError) as exc:
         sys.stderr.write(f"boltstream {name}: error: {exc}\n")
         return 1
     except KeyboardInterrupt:

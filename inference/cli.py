@@ -104,9 +104,9 @@ def build_backend(cfg: ServeConfig) -> Any:
 def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     """Backend + span sink + checkpoint follower wired into the HTTP app."""
     from boltstream.inference.capture import KafkaSpanSink, MemorySpanSink
+    from boltstream.inference.metrics import Metrics
     from boltstream.inference.reload import CheckpointFollower, ReloadStatus
     from boltstream.inference.server import create_app
-    from boltstream.inference.service import Metrics
 
     backend = build_backend(cfg)
     metrics = Metrics(cfg.name)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.inference.backend import Backend
-from boltstream.inference.service import Metrics
+from boltstream.inference.metrics import Metrics
 from boltstream.weights.checkpoints import fetch_checkpoint
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from boltstream.inference.backend import Backend
 from boltstream.inference.capture import CallContext, SpanSink
+from boltstream.inference.metrics import Metrics
 from boltstream.inference.protocol import ApiError, error_body, parse_json
 from boltstream.inference.reload import CheckpointFollower, ReloadStatus
-from boltstream.inference.service import CompletionService, Metrics
+from boltstream.inference.service import CompletionService
 from boltstream.producers.headers import NO_CAPTURE_SEGMENT, decode_segment, parse_rollout_path
 from boltstream.schemas.records import ROLLOUT_ID
 

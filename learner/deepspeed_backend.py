@@ -36,8 +36,7 @@ from boltstream.processes import free_port
 
 from .collate import split_by_token_budget
 from .config import LearnerConfig
-from .step import StepMetrics, accumulate_gradients, set_lr
-from .trainer import (
+from .model_setup import (
     RNG_FILE,
     adamw,
     build_model,
@@ -48,7 +47,8 @@ from .trainer import (
     set_rng_state,
     write_backend,
 )
-from .trainer import save_weights as save_hf_weights
+from .model_setup import save_weights as save_hf_weights
+from .step import StepMetrics, accumulate_gradients, set_lr
 
 logger = logging.getLogger(__name__)
 

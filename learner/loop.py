@@ -41,13 +41,14 @@ from boltstream.kafka import producer_kwargs, wait_for_broker
 from boltstream.schemas import Codec
 from boltstream.weights.checkpoints import announce_checkpoint
 
+from .checkpointing import LearnerState, fetch_resume, prune, publish
 from .config import LearnerConfig
 from .consumer import GroupAssembler, OffsetTracker
 from .metrics import MetricsSink, step_record
-from .resume import LearnerState, fetch_resume, prune, publish
+from .model_setup import Trainer, vocab_size
 from .source import BatchSource
 from .step import warmup_lr
-from .trainer import Trainer, make_trainer, vocab_size
+from .trainer import make_trainer
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
-"""The one exception the codec raises for anything wrong with a record, a schema or the registry."""
+"""The one exception the codec raises for anything wrong with a record, a schema or the registry.
+
+A plain ``ValueError``: the records layer depends on nothing else in boltstream (the CLI
+prints it as cleanly as its own errors).
+"""
 
 from __future__ import annotations
 
-from boltstream.errors import BoltstreamError
 
-
-class SchemaError(BoltstreamError, ValueError):
+class SchemaError(ValueError):
     """Bytes that cannot be decoded, a record that cannot be encoded, or a schema/registry failure.
 
     One type on purpose: consumers catch ``SchemaError`` and route the input to the dead-letter

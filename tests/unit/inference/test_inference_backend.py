@@ -115,7 +115,7 @@ async def test_incomplete_full_checkpoint_is_refused(tmp_path: Path) -> None:
 
 
 async def test_a_bfloat16_serving_copy_loads_into_the_workers_dtype(tmp_path: Path) -> None:
-    from boltstream.learner.trainer import save_weights
+    from boltstream.learner.model_setup import save_weights
 
     model, tok = tiny_model_and_tokenizer(1)
     save_weights(model, tok, tmp_path / "v1", dtype="bfloat16")  # what `learn --publish-dtype bfloat16` writes

@@ -12,8 +12,9 @@ from boltstream.config import load
 from boltstream.errors import ConfigError
 from boltstream.learner.cli import parser
 from boltstream.learner.config import LearnerConfig, load_config
+from boltstream.learner.model_setup import cast_state_dict, load_weights, save_weights
 from boltstream.learner.tiny import random_samples
-from boltstream.learner.trainer import TorchTrainer, cast_state_dict, load_weights, save_weights
+from boltstream.learner.trainer import TorchTrainer
 
 
 def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from boltstream.weights.checkpoints import (
 )
 
 from .config import LearnerConfig
-from .trainer import Trainer, state_compatible
+from .model_setup import Trainer, state_compatible
 
 logger = logging.getLogger(__name__)
 
