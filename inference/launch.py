@@ -1,4 +1,7 @@
-"""Run ``boltstream serve`` as a child process and know when it is ready (demo, benchmarks, tests).
+"""Run ``boltstream serve`` as a child process and know when it is ready (benchmarks, tests).
+
+(``boltstream train`` and the demo start their worker with the other components through
+:class:`boltstream.processes.Processes` and wait for its ``/health``.)
 
 Readiness is the worker's own stdout line ``boltstream serve: ready on URL``,
 written once the socket is bound and the app (model, broker producer,

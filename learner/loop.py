@@ -1,15 +1,17 @@
 """The learner: training batches in, optimizer steps, checkpoints out. Read it top to bottom.
 
-In the spirit of nanochat's ``chat_rl.py``, the whole algorithm is one function,
-:func:`train`, in numbered sections; the machinery lives next door:
+In the spirit of nanochat's ``chat_rl.py``, the algorithm reads top to bottom in one function,
+``_train``, in four numbered sections (:func:`train` only adds the model thread and a work
+directory around it); the machinery lives next door:
 
 * :mod:`.consumer` reassembles split TrainingBatch parts into GRPO groups, drops
   duplicates, stale and malformed samples (counted by reason), and keeps the offset
   bookkeeping that makes resume exact;
 * :mod:`.source` reads the ``batches`` topic (aiokafka, every partition, manual assignment);
 * :mod:`.step` is one PPO/GRPO optimizer step (micro-batched, clipped);
-* :mod:`.trainer` / :mod:`.deepspeed_backend` hold model + optimizer;
-* :mod:`.resume` publishes checkpoints to S3 and loads the newest one at start;
+* :mod:`.trainer` / :mod:`.deepspeed_backend` hold model + optimizer (what both share:
+  :mod:`.model_setup`);
+* :mod:`.checkpointing` publishes checkpoints to S3 and loads the newest one at start;
 * :mod:`.metrics` logs each step to the console, Prometheus and a JSONL file.
 
 Asynchrony: the step runs in a worker thread, so aiokafka keeps fetching the next groups

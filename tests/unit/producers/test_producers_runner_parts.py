@@ -82,7 +82,7 @@ def test_task_validation_reports_every_bad_line(tmp_path: Path) -> None:
 
 
 def test_task_validation_parquet(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
+    pa = pytest.importorskip("pyarrow", reason="Parquet task files need pyarrow, which only the [dev] extra installs")
     import pyarrow.parquet as pq
 
     path = tmp_path / "data.parquet"
