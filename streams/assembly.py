@@ -33,11 +33,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from boltstream.schemas import records
+
 from .air import CallRef, evaluate_air
 from .settings import AssemblyConfig
 from .spans import (
-    ATTR_ERROR,
-    ATTR_STATUS,
     Span,
     attr,
     has_token_ids,
@@ -262,11 +262,11 @@ def _status(root: Span | None, status: str | None, error: str | None) -> tuple[s
         if root is None:
             status = "abandoned"
         else:
-            status = attr(root, ATTR_STATUS) or ("failed" if status_code(root) == "ERROR" else "ok")
+            status = attr(root, records.STATUS) or ("failed" if status_code(root) == "ERROR" else "ok")
     if status not in TRAJECTORY_STATUSES:
         logger.warning("unknown rollout status %r; kept as is", status)
     if error is None and root is not None:
-        error = attr(root, ATTR_ERROR) or (status_message(root) if status_code(root) == "ERROR" else None)
+        error = attr(root, records.ERROR) or (status_message(root) if status_code(root) == "ERROR" else None)
     return status, error
 
 
