@@ -108,7 +108,10 @@ class PipelineConfig:
 
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
-    return vars(parser.parse_args(argv))
+    try:
+        return vars(parser.parse_args(argv))
+    except SystemExit as exc:  # argparse has said why on stderr (an invalid choice, say)
+        raise BoltstreamError(f"invalid settings for {parser.prog}: {' '.join(argv)}") from exc
 
 
 def http_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:

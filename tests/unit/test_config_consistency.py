@@ -131,6 +131,8 @@ def test_a_bad_override_fails_when_the_run_is_configured(run_cfg: PipelineConfig
         dataclasses.replace(run_cfg, learner={"lr_warmup": 2})
     with pytest.raises(Exception, match="gamma"):
         dataclasses.replace(run_cfg, stream={"gamma": 2.0})
+    with pytest.raises(Exception, match="call-credit tokens"):
+        dataclasses.replace(run_cfg, stream={"call_credit": "tokens"})
 
 
 # --------------------------------------------------------------------------- compose
