@@ -5,7 +5,12 @@ from __future__ import annotations
 from boltstream.config import Settings, load
 from boltstream.producers.exporter import ExporterConfig
 from boltstream.producers.span_encoder import SpanRecordEncoder, sample_record
-from boltstream.producers.truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, TRUNCATED, TRUNCATED_FIELDS, cap_attributes
+from boltstream.producers.truncate import (
+    DEFAULT_MAX_ATTRIBUTE_BYTES,
+    TRUNCATED,
+    TRUNCATED_FIELDS,
+    cap_attributes,
+)
 from boltstream.schemas import Codec
 from boltstream.schemas.records import RECORD_HEADROOM
 
