@@ -37,13 +37,14 @@ from typing import Any, ClassVar
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 
 from .normalise import SpanNormaliser
 from .rollout_processor import install_rollout_processor
 from .sender import Counters, Encoded, KafkaSender, SpanBuffer
 from .span_encoder import SpanRecordEncoder
+from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class ExporterConfig:
     retry_backoff_max_ms: int = 5_000
     linger_ms: int = 2
     install_rollout_processor: bool = True
+    max_attribute_bytes: int = opt(DEFAULT_MAX_ATTRIBUTE_BYTES, "longest attribute value kept whole, in bytes; "
+                                   "longer ones are cut and marked boltstream.truncated (0: no limit)")
 
     def __post_init__(self) -> None:
         for name in ("buffer_size", "batch_size", "export_timeout_ms", "request_timeout_ms", "retry_backoff_ms"):
@@ -207,7 +210,8 @@ class KafkaSpanExporter(SpanExporter):
             d = self.config.defaults
             normaliser = SpanNormaliser({"rollout_id": d.rollout_id, "attempt_id": d.attempt_id,
                                          "task_id": d.task_id})
-            self._encoder = (normaliser, SpanRecordEncoder(self.settings, self._codec))
+            self._encoder = (normaliser, SpanRecordEncoder(self.settings, self._codec,
+                                                                     self.config.max_attribute_bytes))
         return self._encoder
 
     def _encode_batch(self, spans: Sequence[Any]) -> list[Encoded]:
