@@ -199,6 +199,7 @@ class KafkaSender:
         self.spool = spool
         self._retry: collections.deque[Any] = collections.deque()  # Encoded, or spool Items
         self._wake = asyncio.Event()
+        self._spill_wake = asyncio.Event()
         self._stop_event = asyncio.Event()
         self._stopping = False
         self._producer: Any = None
@@ -208,6 +209,7 @@ class KafkaSender:
     def wake(self) -> None:
         """Called on the loop (via call_soon_threadsafe) when spans were offered."""
         self._wake.set()
+        self._spill_wake.set()
 
     def _has_work(self) -> bool:
         return bool(self._retry) or self.buffer.has_raw() or (self.spool is not None and self.spool.has_unsent())
@@ -258,23 +260,19 @@ class KafkaSender:
         self._failures += 1
         base, cap = self._backoff
         delay = min(cap, base * (2 ** min(self._failures - 1, 16)))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + delay
-        # A backoff, not a synchronisation: stop() cuts it short. With a spool, spans offered
-        # meanwhile go to disk at once, so the in-memory buffer never fills during an outage.
+        try:  # a backoff, not a synchronisation: stop() cuts it short
+            await asyncio.wait_for(self._stop_event.wait(), delay)
+        except TimeoutError:
+            pass
+
+    async def _spill_loop(self) -> None:
+        """Spool mode, beside :meth:`_run`: spans offered go to disk at once, even while the sender
+        waits on a dead broker (connecting, backing off), so the in-memory buffer never fills."""
         while not self._stopping:
-            if self.spool is not None:
-                await self._spill()
-                self._wake.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            waits = [asyncio.ensure_future(self._stop_event.wait())]
-            if self.spool is not None:
-                waits.append(asyncio.ensure_future(self._wake.wait()))
-            _, pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
+            await self._spill_wake.wait()
+            self._spill_wake.clear()
+            await self._spill()
+            self._wake.set()
 
     def _note_failure(self, exc: BaseException) -> None:
         with self.counters.lock:
@@ -396,9 +394,12 @@ class KafkaSender:
 
     async def run(self, close_timeout: float = 2.0) -> None:
         """Until :meth:`request_stop`: take, encode, send, settle; requeue on failure and back off."""
+        spiller = asyncio.create_task(self._spill_loop()) if self.spool is not None else None
         try:
             await self._run()
         finally:
+            if spiller is not None:
+                spiller.cancel()
             producer, self._producer = self._producer, None
             if producer is not None:
                 try:
@@ -451,3 +452,4 @@ class KafkaSender:
         self._stopping = True
         self._stop_event.set()
         self._wake.set()
+        self._spill_wake.set()
