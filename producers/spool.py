@@ -38,6 +38,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import IO, Any
 
@@ -85,7 +86,7 @@ class Ticket:
 
 
 class Segment:
-    """One segment file; ``cache`` holds its records while they are needed in memory."""
+    """One segment file; ``cache`` holds its records while they are needed in memory (hashed by identity)."""
 
     __slots__ = ("seq", "path", "count", "size", "sent", "settled", "dropped", "cache", "from_disk")
 
@@ -314,14 +315,10 @@ class Spool:
 
     def settle(self, items: Sequence[Item]) -> None:
         """These records are acked (or refused for good): a segment goes once all of it has."""
-        touched: dict[int, Segment] = {}
-        for item in items:
-            seg, ticket = item[2], item[3]
-            seg.settled += 1
-            touched[id(seg)] = seg
-            if ticket is not None:
-                ticket._one_done()
-        for seg in touched.values():
+        for ticket in filter(None, map(itemgetter(3), items)):
+            ticket._one_done()
+        for seg, n in collections.Counter(map(itemgetter(2), items)).items():  # C speed: rounds are large
+            seg.settled += n
             if seg.settled >= seg.count and not seg.dropped:
                 if seg is self._active:
                     self._seal()  # idle and all delivered: start the next batch in a fresh file
