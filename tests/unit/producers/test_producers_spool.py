@@ -22,13 +22,16 @@ def recs(prefix: str, n: int, key: bytes = b"r1") -> list[tuple[bytes, bytes]]:
 
 
 def test_record_format_by_hand() -> None:
-    data = encode_records([(b"k", b"vv")])
-    assert data == struct.pack("<III", zlib.crc32(b"vv", zlib.crc32(b"k")), 1, 2) + b"kvv"
-    assert decode_records(data) == ([(b"k", b"vv")], 15)
+    data = encode_records([(b"k", b"vv"), (b"", b"w")])
+    body = struct.pack("<IIII", 1, 2, 0, 1) + b"kvvw"
+    assert data == struct.pack("<III", zlib.crc32(body), 2, 20) + body
+    assert decode_records(data) == ([(b"k", b"vv"), (b"", b"w")], 32)
     torn = data + encode_records([(b"k", b"second")])[:-1]  # a crash mid-write
-    assert decode_records(torn) == ([(b"k", b"vv")], 15)
+    assert decode_records(torn) == ([(b"k", b"vv"), (b"", b"w")], 32)
     corrupt = data[:-1] + b"X"
     assert decode_records(corrupt) == ([], 0)
+    lying = struct.pack("<III", zlib.crc32(body), 3, 20) + body  # a count the lengths cannot hold
+    assert decode_records(lying) == ([], 0)
 
 
 def test_order_ack_and_deletion(tmp_path: Path) -> None:
