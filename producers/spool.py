@@ -163,6 +163,7 @@ class Spool:
         self.root = Path(directory).expanduser()
         self.counters = counters
         self.max_bytes, self.segment_bytes, self.fsync = max_bytes, segment_bytes, fsync
+        self.cache_bytes = 4 * segment_bytes
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.lane, self._lock_fh = _claim_lane(self.root)
@@ -275,8 +276,13 @@ class Spool:
             return
         if seg.settled >= seg.count:
             self._delete(seg)
-        elif seg.sent == seg.count or any(s.sent < s.count for s in self._segments if s is not seg):
-            seg.cache = None  # memory holds at most the segment being sent and the active one
+        elif seg.sent == seg.count or self._cached_bytes() > self.cache_bytes:
+            # Sealed but unsent segments stay in memory up to ``cache_bytes`` (a burst that the
+            # sender is still working through); beyond that, a long outage, they are read back.
+            seg.cache = None
+
+    def _cached_bytes(self) -> int:
+        return sum(s.size for s in self._segments if s.cache is not None)
 
     def _make_room(self, incoming: int) -> None:
         while self._bytes + incoming > self.max_bytes:

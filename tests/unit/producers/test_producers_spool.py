@@ -115,3 +115,19 @@ def test_spool_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert spool_directory(None, "ns.spans") is None and spool_directory("off", "ns.spans") is None
     assert spool_directory("auto", "ns.spans") == tmp_path / "boltstream" / "spool" / "ns.spans"
     assert spool_directory("/x/y", "t") == Path("/x/y")
+
+
+def test_burst_stays_in_memory_until_cache_bound(tmp_path: Path) -> None:
+    """Sealed, unsent segments are sent from memory up to 4 segments; a longer backlog is read back."""
+    one = len(encode_records(recs("b0-", 10)))  # every batch below has this size
+    for batches, from_disk in ((4, 0), (8, 30)):
+        c = Counters()
+        s = _spool(tmp_path / str(batches), c, segment_bytes=one)
+        for i in range(batches):
+            s.append(recs(f"b{i}-", 10))
+        got = s.take(1000)
+        assert [v for _, v, *_ in got] == [f"b{i}-{j}".encode() for i in range(batches) for j in range(10)]
+        assert c.replayed == from_disk
+        s.settle(got)
+        assert s.pending == 0
+        s.close()
