@@ -10,10 +10,12 @@ nested :class:`Settings` keeps its own ``BOLTSTREAM_*`` variables.
 
 Time knobs (seconds):
 
-* ``grace_s`` - after a rollout's root span arrives, wait this long for
-  out-of-band spans before closing it. 0 (default) closes at once: the
+* ``grace_s`` - after a rollout's root span arrives, wait this long for spans
+  delivered late before closing it. While the broker is up, 0 would do: the
   inference worker acks its LLM span before answering and the root span ends
   last, so with the same key every span is already earlier in the partition.
+  After a broker outage a worker's spooled LLM spans race the agent's root span
+  to the log (docs/streams.md, "When a rollout closes"): hence 3 s.
 * ``rollout_timeout_s`` - a rollout with no root span and no new span for this
   long is closed as ``abandoned`` (a crashed agent must not pin memory forever).
 * ``group_timeout_s`` - a GRPO group still short of ``group_size`` attempts
@@ -52,7 +54,8 @@ class StreamConfig:
     app_id: str | None = opt(None, "faust app id = consumer group; workers with the same id split the "
                                    "partitions (default '<namespace>stream')")
     store: str = opt("memory://", "faust table store URL (memory:// or rocksdb://)")
-    grace_s: float = opt(0.0, "after a rollout's root span, wait this long for out-of-band spans")
+    grace_s: float = opt(3.0, "after a rollout's root span, wait this long for spans delivered late "
+                              "(a worker's spool after a broker outage; other processes)")
     rollout_timeout_s: float = opt(300.0, "close a rollout with no root span after this long without spans")
     group_timeout_s: float = opt(600.0, "emit a group still short of group_size attempts after this long")
     group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task = GRPO group size")

@@ -58,3 +58,66 @@ def test_worker_answers_through_an_outage(private_broker: Any, helpers: Any, tmp
                      30, "the spool to be empty")
         metrics = http.get("/metrics").text
         assert _metric(metrics, "boltstream_inference_spans_spooled_total") == len(ids)
+
+
+def test_samples_after_an_outage_equal_those_without(private_broker: Any, helpers: Any, tmp_path: Path,
+                                                     boltstream_cmd: list[str]) -> None:
+    """Two GRPO groups of the same prompts, greedy: one with the broker up, one with it down while the
+    agent and the worker both ran (both spooled). Once the broker is back, the stream app makes the
+    same samples of both: same tokens, behaviour logprobs, rewards and advantages."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from boltstream.producers.context import rollout
+    from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+    from tests.integration.streams.stream_helpers import WORKER_ENV
+    from tests.integration.streams.stream_helpers import WorkerProcess as StreamWorker
+
+    private_broker.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
+    env.update(settings_env(private_broker.settings), BOLTSTREAM_STATE_FILE=str(tmp_path / "no-stack.json"))
+    worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024", "--no-reload",
+                            "--spool-dir", str(tmp_path / "worker-spool")], env=env, log_path=tmp_path / "worker.log")
+    exporter = KafkaSpanExporter(ExporterConfig(settings=private_broker.settings, spool_dir=str(tmp_path / "agent")))
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+
+    def group(task: str, http: httpx.Client) -> None:
+        for attempt, reward in enumerate((1.0, 0.0)):
+            with rollout(task, attempt, tracer_provider=provider) as ctx:
+                for question in ("2 + 2?", "3 * 3?"):
+                    r = http.post("/v1/chat/completions", headers=ctx.headers,
+                                  json={"model": "tiny", "messages": [{"role": "user", "content": question}],
+                                        "max_tokens": 4, "temperature": 0})
+                    assert r.status_code == 200, r.text
+                ctx.set_result(reward)
+
+    stream = None
+    try:
+        with worker, httpx.Client(base_url=worker.url, timeout=60) as http:
+            group("up", http)
+            provider.force_flush(30_000)
+            private_broker.kill()
+            group("down", http)
+            provider.force_flush(1_000)  # the broker is down: the spans are in the agent's spool
+            private_broker.start()
+            assert provider.force_flush(60_000)
+            helpers.poll(lambda: _metric(http.get("/metrics").text, "boltstream_inference_spool_pending") == 0,
+                         30, "the worker's spool to be empty")
+        stream = StreamWorker([*boltstream_cmd, "stream", "worker", "--app-id", "down.outage", "--group-size", "2"],
+                              {**env, **WORKER_ENV}, tmp_path / "stream.log")
+        batches = helpers.read_topic(private_broker.settings, "batches", "TrainingBatch", count=2, timeout=90)
+    finally:
+        provider.shutdown()
+        if stream is not None:
+            stream.stop()
+    by_task = {rec["task_id"]: rec for _, _, rec in batches}
+    assert set(by_task) == {"up", "down"}, stream.log_tail() if stream else ""
+
+    def shape(batch: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return sorted((s["reward"], s["token_ids"], s["loss_mask"], [round(x, 5) for x in s["behaviour_logprobs"]],
+                       round(s["advantage"], 6)) for s in batch["samples"])
+
+    up, down = shape(by_task["up"]), shape(by_task["down"])
+    assert len(up) >= 2 and {s[0] for s in up} == {0.0, 1.0}
+    assert down == up

@@ -67,7 +67,8 @@ class Msg:
 
 def make(stage_cls: type, auto_ack: bool = True, **knobs: Any) -> tuple[Any, FakeApp]:
     app = FakeApp(auto_ack)
-    config = load(StreamConfig, {"settings": Settings(namespace="u."), **knobs}, env={})
+    # Closing at the root (grace 0) unless a test says otherwise: the default grace is for outages.
+    config = load(StreamConfig, {"settings": Settings(namespace="u."), "grace_s": 0.0, **knobs}, env={})
     items = ChangelogMap(app, f"{stage_cls.kind}-items", "", 4)
     markers = ChangelogMap(app, f"{stage_cls.kind}-markers", "", 4)
     dlq = DeadLetterWriter(config.settings, CODEC, "stream",
