@@ -39,8 +39,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from boltstream.config import Settings, load
 from boltstream.errors import ConfigError
+from boltstream.schemas import records
 
 from .normalise import SpanNormaliser
+from .propagation import install_rollout_propagator
 from .rollout_processor import install_rollout_processor
 from .sender import Counters, Encoded, KafkaSender, SpanBuffer
 from .span_encoder import SpanRecordEncoder
@@ -56,6 +58,12 @@ class RolloutDefaults:
     rollout_id: str | None = None
     attempt_id: str | None = None
     task_id: str | None = None
+
+    @property
+    def ids(self) -> dict[str, str]:
+        """The ids that are set, under their span attribute names."""
+        values = (self.rollout_id, self.attempt_id, self.task_id)
+        return {k: v for k, v in zip(records.ID_ATTRIBUTES, values, strict=True) if v}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +139,9 @@ class KafkaSpanExporter(SpanExporter):
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._encoder: Any = None
-        if config.install_rollout_processor:
+        if config.install_rollout_processor:  # and the propagator: the worker must see the same ids
             install_rollout_processor()
+            install_rollout_propagator(config.defaults.ids)
         if hasattr(os, "register_at_fork"):  # weakly: a fork hook must not keep exporters alive
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: (exp := ref()) is not None and exp._after_fork())

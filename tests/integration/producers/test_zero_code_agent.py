@@ -1,0 +1,77 @@
+"""Acceptance: the README's line, as a user runs it, against a real worker and the real broker.
+
+``OTEL_TRACES_EXPORTER=boltstream opentelemetry-instrument python agent.py``
+with a plain ``openai``-SDK agent (two chat turns, no boltstream import), no
+other ``OTEL_*`` variable, the rollout ids and broker given by ``BOLTSTREAM_*``
+only. OpenTelemetry must start (metrics/logs default to none instead of the
+distro's missing OTLP/gRPC exporter), the agent's spans must reach ``spans``,
+and the worker's LLM spans must join the agent's trace and rollout through the
+``traceparent`` + ``baggage`` headers that the httpx instrumentation injects.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from boltstream.config import Settings
+from boltstream.inference.launch import WorkerProcess
+
+# Run the launcher's script with this interpreter: in a normal install that is what its
+# shebang says; here a worktree's venv may be a copy whose shebangs name another venv.
+INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")
+IDS = {"BOLTSTREAM_ROLLOUT_ID": "ro-zero-1", "BOLTSTREAM_ATTEMPT_ID": "q7:0", "BOLTSTREAM_TASK_ID": "q7"}
+
+PLAIN_AGENT = '''
+import os
+from openai import OpenAI
+
+client = OpenAI(base_url=os.environ["AGENT_BASE_URL"], api_key="not-needed", max_retries=0)
+messages = [{"role": "user", "content": "What is 2+2?"}]
+for _ in range(2):
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=1.0)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": "And again?"}]
+print("turns", len(messages) // 2)
+'''
+
+
+def test_readme_line_trains_a_plain_openai_agent(settings: Settings, settings_env: dict[str, str],
+                                                 tmp_path: Path, helpers: Any) -> None:
+    worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"], env=settings_env,
+                           log_path=tmp_path / "worker.log")
+    try:
+        worker.start(90)
+        env = {k: v for k, v in settings_env.items() if not k.startswith(("OTEL_", "OPENINFERENCE_"))}
+        env.update(IDS, OTEL_TRACES_EXPORTER="boltstream", AGENT_BASE_URL=f"{worker.url}/v1")
+        (tmp_path / "agent.py").write_text(PLAIN_AGENT)
+        proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and proc.stdout.strip() == "turns 2", proc.stderr[-3000:]
+        assert "Failed to auto initialize" not in proc.stderr, proc.stderr[-3000:]
+
+        def worker_calls(recs: list[Any]) -> list[dict[str, Any]]:
+            return [r for _, _, r in recs if r["resource"].get("service.name") == "boltstream-inference"]
+
+        recs = helpers.read_topic(settings, "spans", "Span", timeout=30,
+                                  until=lambda out: len(worker_calls(out)) >= 2
+                                  and len(out) - len(worker_calls(out)) >= 4)
+    finally:
+        worker.stop()
+    served = worker_calls(recs)
+    agent = [r for _, _, r in recs if r not in served]
+    assert len(served) == 2, [r["name"] for _, _, r in recs]
+    # the agent's own spans: the OpenInference LLM spans and the httpx client spans, ids from the env
+    assert sum(r["llm"] is not None for r in agent) == 2, [r["name"] for r in agent]
+    assert {(r["rollout_id"], r["attempt_id"], r["task_id"]) for r in agent} == {("ro-zero-1", "q7:0", "q7")}
+    by_span_id = {r["span_id"]: r for r in agent}
+    for call in served:
+        # the worker's LLM spans: same rollout (from baggage), same trace, parented by the caller's span
+        assert (call["rollout_id"], call["attempt_id"], call["task_id"]) == ("ro-zero-1", "q7:0", "q7")
+        assert call["attributes"]["boltstream.assigned"] is True
+        caller = by_span_id.get(call["parent_span_id"])
+        assert caller is not None, (call["parent_span_id"], sorted(by_span_id))
+        assert call["trace_id"] == caller["trace_id"]
+        assert call["llm"]["response_token_ids"], call["llm"]
