@@ -88,6 +88,27 @@ def split_samples(samples: Sequence[Sample], max_bytes: int, overhead: int = 0) 
     return parts
 
 
+def run_id_of(task_id: str, attempt_id: str) -> str | None:
+    """The run id in an attempt id of the form ``"{run_id}/{task_id}:{n}"`` (``attempt_ids(..., run_id=)``), else None.
+
+    Why: ``boltstream runner --run-id p2`` is a deliberate second pass over the
+    same tasks; its attempts must form their own groups, not arrive late to the
+    first pass's. Parsed against the task id, so a task id holding ``/`` or
+    ``:`` is never mistaken for a run.
+    """
+    head, sep, _ = attempt_id.rpartition(":")
+    suffix = f"/{task_id}"
+    if not sep or not head.endswith(suffix) or len(head) == len(suffix):
+        return None
+    return head[: -len(suffix)]
+
+
+def group_key(task_id: str, attempt_id: str) -> str:
+    """What a GRPO group is keyed by: ``"{run_id}/{task_id}"`` when the attempt names a run, else the task id."""
+    run_id = run_id_of(task_id, attempt_id)
+    return task_id if run_id is None else f"{run_id}/{task_id}"
+
+
 def batch_id_for(task_id: str, attempt_ids: Iterable[str]) -> str:
     """Deterministic id of a group: the task id and a digest of its sorted attempt ids."""
     digest = hashlib.sha1("\n".join(sorted(attempt_ids)).encode("utf-8")).hexdigest()[:16]

@@ -17,7 +17,9 @@ Rollout stage (spans topic, keyed by rollout id):
 * a rollout the pure core cannot assemble (no task id anywhere) -> one dead letter.
 
 Group stage (trajectories topic, keyed by task id, so all attempts of a task
-meet on one partition): a group closes when ``group_size`` distinct attempts
+meet on one partition): a group is one task's attempts within one run
+(:func:`~boltstream.streams.grouping.group_key`: a ``--run-id`` second pass
+forms its own groups); it closes when ``group_size`` distinct attempts
 are there, or ``group_timeout_s`` after its first trajectory (then
 ``complete=False``); a trajectory for an already emitted group is late and dropped.
 """
@@ -35,7 +37,7 @@ from boltstream.schemas import Codec, SchemaError
 from .accumulator import Accumulator, Entry, Output
 from .assembly import assemble_trajectory_with_stats
 from .config import StreamConfig
-from .grouping import build_training_batches
+from .grouping import build_training_batches, group_key
 from .spans import is_rollout_root
 from .tables import ChangelogMap, unpack_items
 
@@ -187,9 +189,11 @@ class GroupStage(_Stage):
         return now - entry.first_seen >= self.config.group_timeout_s
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
+        trajectories = list(entry.items.values())
+        task_id = trajectories[0]["task_id"]  # the entry key may carry a run id in front of it
         batches = build_training_batches(
-            entry.key,
-            list(entry.items.values()),
+            task_id,
+            trajectories,
             self.credit,
             group_size=self.config.group_size,
             max_bytes=self.config.batch_bytes,
@@ -198,8 +202,8 @@ class GroupStage(_Stage):
         self.stats["samples"] += sum(len(b["samples"]) for b in batches)
         if len(batches) > 1:
             self.stats["split_groups"] += 1
-        key = entry.key.encode()
+        key = task_id.encode()
         return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
 
     def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
-        return item["task_id"], item["attempt_id"]
+        return group_key(item["task_id"], item["attempt_id"]), item["attempt_id"]
