@@ -35,7 +35,13 @@
    exporter process' CPU during 2 (buffer hand-off, aiokafka), and the
    broker process' CPU during 2.
 
-Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s.
+5. Spool on vs off (issue 21), interleaved in the same run with the broker up:
+   the agent thread's start+end cost per span (saturated) and export
+   throughput, with ``spool_dir`` unset and set (every span written to disk
+   before it is sent). ``--only spool`` runs just this part.
+
+Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s;
+(issue 21) spool on costs <= 10 % of export throughput while the broker is up.
 Medians over ``--repeats``. JSON goes to benchmarks/results/exporter.json.
 
 Measured (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
@@ -218,13 +224,64 @@ def stages(spans: list[ReadableSpan], settings: Any, repeats: int) -> dict[str, 
     return best
 
 
+def spool_comparison(settings: Any, tmp: str, spans: list[ReadableSpan], agent_n: int,
+                     repeats: int) -> dict[str, dict[str, float]]:
+    """Spool off vs on, alternating, so both see the same machine load: agent cost and export/s."""
+    runs: dict[str, dict[str, list[float]]] = {m: {"start_end_us": [], "export_per_s": [], "cpu_us": []}
+                                               for m in ("off", "on")}
+    for _ in range(repeats):
+        for mode, spool in (("off", None), ("on", str(Path(tmp) / "spool"))):
+            def make(spool: str | None = spool) -> tuple[TracerProvider, Callable[[], None]]:
+                exp = KafkaSpanExporter(ExporterConfig(settings=settings, install_rollout_processor=False,
+                                                       spool_dir=spool))
+                tp = TracerProvider()
+                install_rollout_processor(tp)
+                tp.add_span_processor(BatchSpanProcessor(exp))
+                return tp, tp.shutdown
+
+            runs[mode]["start_end_us"].append(overhead(make, agent_n, 0.0)["start_end_us"])
+            kx = KafkaSpanExporter(ExporterConfig(settings=settings, install_rollout_processor=False, spool_dir=spool))
+            kx.export(spans[:BATCH])
+            kx.force_flush(30_000)  # connected and warm
+            rate, cpu_us, _ = throughput(kx.export, lambda kx=kx: kx.force_flush(120_000), spans)
+            m = kx.metrics
+            assert m.dropped == 0 and (spool is None or m.spooled == m.received), m
+            kx.shutdown()
+            runs[mode]["export_per_s"].append(rate)
+            runs[mode]["cpu_us"].append(cpu_us)
+    out = {mode: {k: statistics.median(v) for k, v in r.items()} for mode, r in runs.items()}
+    out["on_vs_off"] = {"throughput_cost": 1 - out["on"]["export_per_s"] / out["off"]["export_per_s"],
+                        "agent_added_us": out["on"]["start_end_us"] - out["off"]["start_end_us"]}
+    return out
+
+
+def print_spool(sp: dict[str, dict[str, float]]) -> None:
+    print(f"{'spool':<6}{'agent start+end µs (saturated)':>32}{'export/s':>10}{'exporter CPU µs/span':>22}")
+    for mode in ("off", "on"):
+        r = sp[mode]
+        print(f"{mode:<6}{r['start_end_us']:>32.1f}{r['export_per_s']:>10.0f}{r['cpu_us']:>22.1f}")
+    c = sp["on_vs_off"]
+    print(f"spool on costs {c['throughput_cost'] * 100:.1f} % of export throughput (goal <= 10 %), "
+          f"{c['agent_added_us']:+.1f} µs per span on the agent thread")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=40_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paced-spans", type=int, default=5_000, help="spans per run with agent think time")
     ap.add_argument("--pause-ms", type=float, default=2.0, help="agent think time between rollouts (5 spans)")
+    ap.add_argument("--only", choices=("all", "spool"), default="all", help="spool: only the spool on/off part")
     args = ap.parse_args()
+    if args.only == "spool":
+        with tempfile.TemporaryDirectory() as tmp, embedded_stack(tmp, partitions=4) as settings:
+            sp = spool_comparison(settings, tmp, finished_spans(args.spans), min(args.spans, 20_000), args.repeats)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "exporter_spool.json").write_text(json.dumps(
+            {"spool": sp, "params": {"spans": args.spans, "repeats": args.repeats},
+             "loadavg": list(os.getloadavg())}, indent=2))
+        print_spool(sp)
+        return 0
     load_at_start = list(os.getloadavg())  # other processes on the box skew every number: recorded
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.DEVNULL)
@@ -308,6 +365,8 @@ def main() -> int:
                 e2e["none"].append(end_to_end(None, lambda: True, args.spans))
             results["end_to_end_spans_per_s"] = {k: statistics.median(v) for k, v in e2e.items()}
             results["end_to_end_runs"] = e2e
+            results["spool"] = spool_comparison(settings, tmp, finished_spans(args.spans), min(args.spans, 20_000),
+                                                args.repeats)
     finally:
         sink.terminate()
         sink.wait(timeout=10)
@@ -333,6 +392,7 @@ def main() -> int:
         "added_us_start_end_paced_lt_20": a["boltstream"]["added_start_end_us"] < 20,
         "spans_per_s_ge_20000": t["boltstream"] >= 20_000,
         "small_spans_per_s_ge_20000": results["throughput_small_spans_spans_per_s"]["boltstream"] >= 20_000,
+        "spool_throughput_cost_le_10pct": results["spool"]["on_vs_off"]["throughput_cost"] <= 0.10,
     }
     results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
@@ -360,6 +420,7 @@ def main() -> int:
           f"normalise {st['normalise_us']:.1f} + encode {st['encode_us']:.1f} + hand-off/aiokafka "
           f"{st['handoff_aiokafka_us']:.1f} = {cpu['exporter_process']:.1f}; broker {st['broker_us']:.1f}; "
           f"wall {st['wall_us_per_exported_span']:.1f} per exported span")
+    print_spool(results["spool"])
     print(f"load average {load_at_start[0]:.1f} at start, {results['machine']['loadavg_at_end'][0]:.1f} at end; "
           f"goals: {results['goals']}  -> {RESULTS / 'exporter.json'}")
     return 0

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,8 +36,47 @@ LOOPBACK = "127.0.0.1"
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
+# free_port() draws from [PORT_FLOOR, start of the kernel's ephemeral range).
+PORT_FLOOR = 20_000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_ATTEMPTS = 64
+
+
+def _ephemeral_start() -> int | None:
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing uses now and that the kernel will not hand out by itself.
+
+    Why not bind port 0: the port is chosen here and bound later by another process
+    (a service, gloo's rendezvous store), and the kernel gives every OUTGOING
+    connection of every process a local port from that same ephemeral range. A busy
+    machine (broker and S3 clients, parallel tests) then took the chosen port in
+    between: the two-rank DeepSpeed test failed with EADDRINUSE when rank 0's
+    TCPStore could not listen. Below the ephemeral range only an explicit bind can
+    take the port; each call draws at random there, so concurrent callers rarely
+    meet. Falls back to port 0 where the range is unknown (not Linux) or too low.
+    """
+    start = _ephemeral_start()
+    if start is not None and start - PORT_FLOOR >= 1024:
+        for _ in range(_ATTEMPTS):
+            port = random.randrange(PORT_FLOOR, start)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])

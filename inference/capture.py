@@ -191,9 +191,20 @@ class KafkaSpanSink:
     A span over the broker's message size (a huge prompt) is truncated exactly as the exporter
     does it (``boltstream.truncated`` marker, token ids kept longest), not refused: one oversized
     record would fail the whole response. :attr:`truncated` counts them for the worker's metrics.
+
+    Spool mode (``spool_dir``): the spans of a response are first appended to the exporter's
+    on-disk spool (:mod:`boltstream.producers.spool`, fsynced when ``fsync``), then sent from it
+    in order by a :class:`~boltstream.producers.sender.KafkaSender` on the worker's loop. While
+    the broker answers, :meth:`send` still waits for the ack (ack before answer, up to
+    ``ack_timeout``); once it is known to be down, :meth:`send` returns as soon as the spans are
+    durable in the spool, and they are delivered, in order, when the broker is back or at the
+    worker's next start. The price: during an outage an agent's root span may reach the log
+    before the worker's LLM spans of the same rollout.
     """
 
-    def __init__(self, settings: Any, codec: Any = None, timeout: float = 30.0) -> None:
+    def __init__(self, settings: Any, codec: Any = None, timeout: float = 30.0, *,
+                 spool_dir: str | os.PathLike[str] | None = None, fsync: bool = False,
+                 ack_timeout: float = 2.0) -> None:
         from boltstream.producers.span_encoder import SpanRecordEncoder
 
         self.settings = settings
@@ -201,21 +212,69 @@ class KafkaSpanSink:
         self.topic = self.encoder.topic
         self.timeout = timeout
         self.truncated = 0
+        self.spool_dir, self.fsync, self.ack_timeout = spool_dir, fsync, ack_timeout
+        self.answered_from_spool = 0  # responses sent before their spans were acked (broker down)
         self._producer: Any = None
+        self._spool: Any = None
+        self._sender: Any = None
+        self._sender_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         from aiokafka import AIOKafkaProducer
 
         from boltstream.kafka import producer_kwargs, wait_for_broker
 
+        if self.spool_dir is not None:
+            self._start_spooled()
+            return
         await wait_for_broker(self.settings, timeout=self.timeout)
         self._producer = AIOKafkaProducer(**producer_kwargs(self.settings, linger_ms=1))
         await self._producer.start()
+
+    def _start_spooled(self) -> None:
+        """No broker needed to start: the spool takes the spans until it answers."""
+        from aiokafka import AIOKafkaProducer
+
+        from boltstream.kafka import producer_kwargs
+        from boltstream.producers.sender import Counters, KafkaSender, SpanBuffer
+        from boltstream.producers.spool import Spool
+
+        counters = Counters()
+        self._spool = Spool(self.spool_dir, counters, max_bytes=1 << 30, segment_bytes=16 << 20,
+                            fsync=self.fsync)
+        self._sender = KafkaSender(
+            SpanBuffer(1, counters), self.topic, lambda spans: [], batch_size=500, backoff_s=0.1,
+            backoff_max_s=2.0, spool=self._spool,
+            producer_factory=lambda: AIOKafkaProducer(**producer_kwargs(
+                self.settings, linger_ms=1, request_timeout_ms=15_000)))
+        self._sender_task = asyncio.create_task(self._sender.run(), name="boltstream-capture-spool")
+        log.info("capture spools to %s", self._spool.dir)
 
     async def stop(self) -> None:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+        if self._sender_task is not None:
+            self._sender.request_stop()
+            try:
+                await asyncio.wait_for(self._sender_task, 10.0)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("capture spool sender did not stop within 10 s")
+            self._sender_task = None
+            if self._spool.pending:
+                log.warning("%d LLM spans stay in the spool %s for the next start", self._spool.pending,
+                            self._spool.dir)
+            self._spool.close()
+
+    def spool_stats(self) -> dict[str, int] | None:
+        """Counters for the worker's ``/metrics`` (None without a spool)."""
+        if self._spool is None:
+            return None
+        c = self._sender.counters
+        with c.lock:
+            return {"spooled": c.spooled, "replayed": c.replayed, "pending": self._spool.pending,
+                    "dropped_spool_full": c.dropped_spool_full, "dropped_spool_error": c.dropped_spool_error,
+                    "answered_from_spool": self.answered_from_spool}
 
     def encode(self, span: dict[str, Any]) -> tuple[bytes, bytes]:
         """(key, value) of one span, cut to the broker's message size when it has to be."""
@@ -227,6 +286,8 @@ class KafkaSpanSink:
         return key, value
 
     async def send(self, spans: list[dict[str, Any]]) -> None:
+        if self._spool is not None:
+            return await self._send_spooled(spans)
         if self._producer is None:
             raise RuntimeError("span sink not started")
         futures = []
@@ -234,3 +295,17 @@ class KafkaSpanSink:
             key, value = self.encode(span)
             futures.append(await self._producer.send(self.topic, value, key=key))
         await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
+
+    async def _send_spooled(self, spans: list[dict[str, Any]]) -> None:
+        """Durable in the spool, then acked, or, with the broker known to be down, durable is enough."""
+        acked = asyncio.get_running_loop().create_future()
+        self._spool.append([self.encode(span) for span in spans], acked)  # OSError: the request fails
+        self._sender.wake()
+        c = self._sender.counters
+        if c.broker_up or not c.send_failures:
+            try:
+                await asyncio.wait_for(asyncio.shield(acked), self.ack_timeout)
+                return
+            except TimeoutError:
+                pass
+        self.answered_from_spool += 1

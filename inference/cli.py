@@ -51,6 +51,14 @@ class ServeConfig:
     default_max_tokens: int = opt(256, "max_tokens when a request gives none")
     policy_version: int = opt(0, "version number of the weights loaded at start")
     capture: bool = opt(True, "write LLM spans (--no-capture: no broker needed, NOT for training)")
+    spool_dir: str = opt("auto", "spool mode: LLM spans go to this on-disk spool first and the worker "
+                                 "keeps answering while the broker is down ('auto': $XDG_STATE_HOME/"
+                                 "boltstream/spool/<topic>, i.e. ~/.local/state/...; 'off': ack before "
+                                 "answer, 503 capture_failed without a broker)")
+    spool_fsync: bool = opt(False, "fsync the spool per response (survives a machine crash, not just a "
+                                   "worker crash)")
+    spool_ack_timeout_s: float = opt(2.0, "spool mode: longest wait for the broker's ack before answering "
+                                          "from the spool")
     reload: bool = opt(True, "follow the checkpoints topic and reload new versions")
     checkpoint_model: str | None = opt(None, "model name in checkpoint events to follow (default: the served "
                                              "name)")
@@ -111,7 +119,16 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     backend = build_backend(cfg)
     metrics = Metrics(cfg.name)
     status = ReloadStatus()
-    sink = KafkaSpanSink(cfg.settings) if cfg.capture else MemorySpanSink(keep=0)
+    if cfg.capture:
+        from boltstream.producers.spool import spool_directory
+
+        spool_dir = spool_directory(cfg.spool_dir, cfg.settings.topic("spans"))
+        sink: Any = KafkaSpanSink(cfg.settings, spool_dir=spool_dir, fsync=cfg.spool_fsync,
+                                  ack_timeout=cfg.spool_ack_timeout_s)
+        if spool_dir is not None:
+            metrics.watch_spool(sink.spool_stats)
+    else:
+        sink = MemorySpanSink(keep=0)
     follower = None
     if cfg.reload:
         follower = CheckpointFollower(cfg.settings, backend, model_name=cfg.checkpoint_model or cfg.name,

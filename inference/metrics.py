@@ -7,6 +7,8 @@ Its own module because the request path (:mod:`.service`) and the checkpoint fol
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -15,6 +17,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
@@ -51,8 +55,37 @@ class Metrics:
         self.spans = Counter("boltstream_inference_spans", "LLM spans written", registry=r)
         self.model_name = model_name
 
+    def watch_spool(self, stats: Callable[[], Mapping[str, int] | None]) -> None:
+        """Report the capture spool's counters (read at each scrape: the sink owns them)."""
+        self.registry.register(_SpoolCollector(stats))
+
     def set_version(self, version: int) -> None:
         self.policy_version.labels(self.model_name).set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpoolCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, int] | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.stats()
+        if s is None:
+            return
+        yield CounterMetricFamily("boltstream_inference_spans_spooled", "LLM spans written to the spool",
+                                  value=s["spooled"])
+        yield CounterMetricFamily("boltstream_inference_spans_replayed",
+                                  "spooled LLM spans read back from disk and sent (after an outage or a restart)",
+                                  value=s["replayed"])
+        dropped = CounterMetricFamily("boltstream_inference_spans_dropped", "LLM spans lost, by reason",
+                                      labels=["reason"])
+        dropped.add_metric(["spool_full"], s["dropped_spool_full"])
+        dropped.add_metric(["spool_error"], s["dropped_spool_error"])
+        yield dropped
+        yield CounterMetricFamily("boltstream_inference_answered_from_spool",
+                                  "responses answered once their spans were in the spool, before the ack "
+                                  "(broker down)", value=s["answered_from_spool"])
+        yield GaugeMetricFamily("boltstream_inference_spool_pending", "LLM spans in the spool not yet acked",
+                                value=s["pending"])

@@ -49,10 +49,6 @@ from .rollout_processor import _ACTIVE, _ACTIVE_LOCK, _CURRENT, current_rollout,
 log = logging.getLogger(__name__)
 
 ROLLOUT_NAMESPACE = uuid.UUID("6f1c3a52-8d4e-5b7a-9c2d-0e1f2a3b4c5d")
-ROOT_SPAN = records.ROLLOUT_SPAN
-REWARD_SPAN = records.REWARD_SPAN
-ROLLOUT_ID, ATTEMPT_ID, TASK_ID = records.ROLLOUT_ID, records.ATTEMPT_ID, records.TASK_ID
-ID_KEYS = records.ID_ATTRIBUTES
 TRACER_NAME = "boltstream.producers"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,9 +90,9 @@ class RolloutContext:
         """The id attributes every span of this rollout carries (cached: read on every span start)."""
         cached = self.__dict__.get("_ids")
         if cached is None or cached[0] != (self.rollout_id, self.attempt_id, self.task_id):
-            out = {ROLLOUT_ID: self.rollout_id, ATTEMPT_ID: self.attempt_id}
+            out = {records.ROLLOUT_ID: self.rollout_id, records.ATTEMPT_ID: self.attempt_id}
             if self.task_id is not None:
-                out[TASK_ID] = self.task_id
+                out[records.TASK_ID] = self.task_id
             cached = self.__dict__["_ids"] = ((self.rollout_id, self.attempt_id, self.task_id), out)
         return dict(cached[1])
 
@@ -170,7 +166,7 @@ def _reward_span(ctx: RolloutContext | None, name: str, value: float, *, final: 
         current = trace.get_current_span()
         if ctx.span is not None and current.get_span_context().trace_id != ctx.span.get_span_context().trace_id:
             parent = trace.set_span_in_context(ctx.span)  # e.g. a thread that lost the context
-    tracer.start_span(REWARD_SPAN, context=parent, attributes=attrs).end()
+    tracer.start_span(records.REWARD_SPAN, context=parent, attributes=attrs).end()
 
 
 def emit_reward(value: float | Mapping[str, float], name: str = "reward", *, primary: bool | str | None = None,
@@ -236,7 +232,7 @@ def rollout(
     attrs[records.ATTEMPT] = attempt
     if agent_name:
         attrs[records.AGENT_NAME] = agent_name
-    span = tracer.start_span(ROOT_SPAN, context=otel_context.Context(), attributes=attrs)
+    span = tracer.start_span(records.ROLLOUT_SPAN, context=otel_context.Context(), attributes=attrs)
     ctx.span = span
     octx = trace.set_span_in_context(span, otel_context.get_current())
     for k, v in ctx.ids.items():

@@ -21,6 +21,10 @@ and aiokafka's producer/sender split):
 * Spans over the broker's message size are truncated with the marker
   ``boltstream.truncated=true``, never dropped silently.
 * ``force_flush()`` and ``shutdown()`` are bounded and safe to call repeatedly.
+* With a spool (``BOLTSTREAM_EXPORTER_SPOOL_DIR``, :mod:`.spool`) every encoded span is
+  written to disk before it is sent: an outage longer than the buffer, or a
+  restart of the process, loses nothing; what ``shutdown()`` cannot deliver
+  stays on disk and is sent first by the next process using the directory.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -37,7 +42,7 @@ from typing import Any, ClassVar
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 from boltstream.schemas import records
 
@@ -46,6 +51,8 @@ from .propagation import install_rollout_propagator
 from .rollout_processor import install_rollout_processor
 from .sender import Counters, Encoded, KafkaSender, SpanBuffer
 from .span_encoder import SpanRecordEncoder
+from .spool import Spool, SpoolError, spool_directory
+from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +89,24 @@ class ExporterConfig:
     retry_backoff_max_ms: int = 5_000
     linger_ms: int = 2
     install_rollout_processor: bool = True
+    max_attribute_bytes: int = opt(DEFAULT_MAX_ATTRIBUTE_BYTES, "longest attribute value kept whole, in bytes; "
+                                   "longer ones are cut and marked boltstream.truncated (0: no limit)")
+    spool_dir: str | None = opt(None, "directory of the on-disk spool that keeps spans through broker outages "
+                                      "and restarts ('auto': $XDG_STATE_HOME/boltstream/spool/<topic>; "
+                                      "unset or 'off': no spool)")
+    spool_max_bytes: int = opt(1 << 30, "spool size bound; when full the oldest segment is dropped (counted)")
+    spool_segment_bytes: int = opt(16 << 20, "spool segment file size (a segment is deleted once all acked)")
+    spool_fsync: bool = opt(False, "fsync every spool write: survives a machine crash, not only a process "
+                                   "crash, at the cost of a disk flush per batch")
 
     def __post_init__(self) -> None:
-        for name in ("buffer_size", "batch_size", "export_timeout_ms", "request_timeout_ms", "retry_backoff_ms"):
+        for name in ("buffer_size", "batch_size", "export_timeout_ms", "request_timeout_ms", "retry_backoff_ms",
+                     "spool_segment_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.env_prefix}{name.upper()}", getattr(self, name), "must be >= 1")
+        if self.spool_max_bytes < 2 * self.spool_segment_bytes:
+            raise ConfigError(f"{self.env_prefix}SPOOL_MAX_BYTES", self.spool_max_bytes,
+                              f"must be >= 2 x SPOOL_SEGMENT_BYTES ({self.spool_segment_bytes})")
 
     @classmethod
     def load(cls, **explicit: Any) -> ExporterConfig:
@@ -110,11 +130,17 @@ class ExporterMetrics:
     retried: int
     broker_up: bool
     last_error: str | None
+    spooled: int = 0  # spans written to the spool (every span, when it is on)
+    replayed: int = 0  # spooled spans read back from disk and sent (after an outage or a restart)
+    spool_pending: int = 0  # spans in the spool not yet acked (this run's and earlier runs')
+    spool_bytes: int = 0
+    dropped_spool_full: int = 0
+    dropped_spool_error: int = 0
 
     @property
     def dropped(self) -> int:
         return (self.dropped_buffer_full + self.dropped_encode_error + self.dropped_rejected
-                + self.dropped_shutdown)
+                + self.dropped_shutdown + self.dropped_spool_full + self.dropped_spool_error)
 
 
 class KafkaSpanExporter(SpanExporter):
@@ -139,9 +165,12 @@ class KafkaSpanExporter(SpanExporter):
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._encoder: Any = None
+        self._spool: Spool | None = None
         if config.install_rollout_processor:  # and the propagator: the worker must see the same ids
             install_rollout_processor()
             install_rollout_propagator(config.defaults.ids)
+        if spool_directory(config.spool_dir, self.topic) is not None:
+            self._ensure_thread()  # a previous run's spool is delivered now, not at the first span
         if hasattr(os, "register_at_fork"):  # weakly: a fork hook must not keep exporters alive
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: (exp := ref()) is not None and exp._after_fork())
@@ -154,6 +183,7 @@ class KafkaSpanExporter(SpanExporter):
         self._counters = Counters()
         self._buffer = SpanBuffer(self.config.buffer_size, self._counters)
         self._loop = self._sender = self._thread = None
+        self._spool = None  # the parent's; the child claims a lane of its own
 
     def _ensure_thread(self) -> bool:
         if self._thread is not None:
@@ -177,11 +207,13 @@ class KafkaSpanExporter(SpanExporter):
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
+            self._spool = self._open_spool()
             self._sender = KafkaSender(
                 self._buffer, self.topic, self._encode_batch, self._make_producer,
                 batch_size=self.config.batch_size,
                 backoff_s=self.config.retry_backoff_ms / 1000,
                 backoff_max_s=max(self.config.retry_backoff_max_ms, self.config.retry_backoff_ms) / 1000,
+                spool=self._spool,
             )
             self._loop = loop
             ready.set()
@@ -194,6 +226,20 @@ class KafkaSpanExporter(SpanExporter):
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()
+
+    def _open_spool(self) -> Spool | None:
+        directory = spool_directory(self.config.spool_dir, self.topic)
+        if directory is None:
+            return None
+        try:
+            spool = Spool(directory, self._counters, max_bytes=self.config.spool_max_bytes,
+                          segment_bytes=self.config.spool_segment_bytes, fsync=self.config.spool_fsync)
+        except SpoolError as exc:
+            log.error("boltstream exporter: %s; running without a spool (an outage longer than the "
+                      "buffer loses spans)", exc)
+            return None
+        log.info("boltstream exporter: spooling to %s", spool.dir)
+        return spool
 
     def _make_producer(self) -> Any:
         from aiokafka import AIOKafkaProducer
@@ -216,7 +262,8 @@ class KafkaSpanExporter(SpanExporter):
             d = self.config.defaults
             normaliser = SpanNormaliser({"rollout_id": d.rollout_id, "attempt_id": d.attempt_id,
                                          "task_id": d.task_id})
-            self._encoder = (normaliser, SpanRecordEncoder(self.settings, self._codec))
+            self._encoder = (normaliser, SpanRecordEncoder(self.settings, self._codec,
+                                                                     self.config.max_attribute_bytes))
         return self._encoder
 
     def _encode_batch(self, spans: Sequence[Any]) -> list[Encoded]:
@@ -279,15 +326,24 @@ class KafkaSpanExporter(SpanExporter):
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """True when every accepted span is acked by the broker within the timeout."""
         try:
+            spool = self._spool
             if self._thread is None or self._stopped:
-                return self._buffer.unacked == 0
+                return self._buffer.unacked == 0 and (spool is None or spool.pending == 0)
             loop, sender = self._loop, self._sender
             if loop is not None and sender is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(sender.wake)
-            return self._buffer.wait_empty(max(0, timeout_millis) / 1000)
+            return self._wait_delivered(max(0, timeout_millis) / 1000)
         except Exception:
             log.exception("boltstream exporter: force_flush failed")
             return False
+
+    def _wait_delivered(self, timeout: float) -> bool:
+        """Everything accepted before the call acked (in spool mode: spilled to disk, then acked)."""
+        deadline = time.monotonic() + timeout
+        if not self._buffer.wait_empty(timeout):
+            return False
+        spool = self._spool
+        return spool is None or spool.wait_settled(max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
         """Flush (bounded by ``flush_timeout_ms``), stop the loop, count what was left as dropped."""
@@ -297,7 +353,7 @@ class KafkaSpanExporter(SpanExporter):
             self._stopped = True
         try:
             if self._thread is not None:
-                self._buffer.wait_empty(self.config.flush_timeout_ms / 1000)
+                self._wait_delivered(self.config.flush_timeout_ms / 1000)
                 loop, sender = self._loop, self._sender
                 if loop is not None and sender is not None and not loop.is_closed():
                     try:
@@ -307,6 +363,8 @@ class KafkaSpanExporter(SpanExporter):
                 self._thread.join(timeout=5.0)
                 if self._thread.is_alive():
                     log.warning("boltstream exporter: sender thread did not stop within 5 s")
+                elif self._spool is not None:
+                    self._close_spool(self._spool)
             left = self._buffer.drain_all()
             if left:
                 with self._counters.lock:
@@ -316,16 +374,35 @@ class KafkaSpanExporter(SpanExporter):
         except Exception:
             log.exception("boltstream exporter: shutdown failed")
 
+    def _close_spool(self, spool: Spool) -> None:
+        """The sender has stopped: spans still in memory go to disk too, for the next start."""
+        while self._buffer.has_raw():
+            raw = self._buffer.take(self.config.batch_size)
+            try:
+                spool.append(self._encode_batch(raw))
+            except OSError as exc:
+                log.error("boltstream exporter: cannot write to the spool %s: %s", spool.dir, exc)
+                break
+            self._buffer.done(len(raw))
+        if spool.pending:
+            log.warning("boltstream exporter: shut down with %d spans in the spool %s; the next start "
+                        "using it delivers them", spool.pending, spool.dir)
+        spool.close()
+
     @property
     def metrics(self) -> ExporterMetrics:
         c = self._counters
+        spool = self._spool
         with c.lock:
             return ExporterMetrics(
                 received=c.received, acked=c.acked, buffered=self._buffer.unacked,
                 dropped_buffer_full=c.dropped_buffer_full, dropped_encode_error=c.dropped_encode_error,
                 dropped_rejected=c.dropped_rejected, dropped_shutdown=c.dropped_shutdown,
                 truncated=c.truncated, send_failures=c.send_failures, retried=c.retried,
-                broker_up=c.broker_up, last_error=c.last_error)
+                broker_up=c.broker_up, last_error=c.last_error, spooled=c.spooled, replayed=c.replayed,
+                spool_pending=spool.pending if spool is not None else 0,
+                spool_bytes=spool.size_bytes if spool is not None else 0,
+                dropped_spool_full=c.dropped_spool_full, dropped_spool_error=c.dropped_spool_error)
 
     def metrics_dict(self) -> Mapping[str, Any]:
         """The snapshot as a plain dict (for logs/JSON), including the ``dropped`` total."""

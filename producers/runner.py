@@ -65,6 +65,9 @@ class RunnerConfig:
     exit_when_idle_s: float | None = opt(None, "exit after this long with nothing to do")
     tasks_per_version: int | None = opt(None, "start at most N tasks per policy version the worker serves "
                                               "(pace the runner to the learner)")
+    spool_dir: str = opt("auto", "the span exporter's on-disk spool, which keeps spans through broker "
+                                 "outages and restarts ('auto': $XDG_STATE_HOME/boltstream/spool/<topic>, "
+                                 "i.e. ~/.local/state/...; 'off': none)")
 
     def __post_init__(self) -> None:
         if not self.agent:
@@ -237,7 +240,8 @@ class Runner:
         settings = self.config.settings
         self._codec = Codec.from_registry_url(settings.schema_registry_url)
         self._dlq = DeadLetterWriter(settings, self._codec, "runner")  # its producer starts on first use
-        self._exporter = KafkaSpanExporter(settings=settings, install_rollout_processor=False)
+        self._exporter = KafkaSpanExporter(settings=settings, install_rollout_processor=False,
+                                           spool_dir=self.config.spool_dir)
         self._provider = setup_tracing(settings, service_name="boltstream-runner", exporter=self._exporter)
         runner = self
 

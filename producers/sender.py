@@ -11,6 +11,11 @@ Ordering: spans are encoded in arrival order and at most one round of
 batches is on the wire at a time; a failed round goes back to the front of
 the queue, so a rollout's spans reach their partition in the order they
 ended (the root span last) even across broker outages.
+
+With a :class:`~boltstream.producers.spool.Spool` the sender writes every
+encoded span to it before sending and sends from it (the spool is the queue);
+while the broker is away it keeps moving spans from memory to disk, so the
+in-memory buffer never fills and an outage costs disk, not spans.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+
+if TYPE_CHECKING:
+    from .spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,10 @@ class Counters:
     dropped_encode_error: int = 0
     dropped_rejected: int = 0
     dropped_shutdown: int = 0
+    dropped_spool_full: int = 0
+    dropped_spool_error: int = 0
+    spooled: int = 0
+    replayed: int = 0
     truncated: int = 0
     send_failures: int = 0
     retried: int = 0
@@ -174,6 +186,7 @@ class KafkaSender:
         batch_size: int,
         backoff_s: float,
         backoff_max_s: float,
+        spool: Spool | None = None,
     ) -> None:
         self.buffer = buffer
         self.counters = buffer.counters
@@ -183,8 +196,10 @@ class KafkaSender:
         self._batch_size = batch_size
         self._backoff = (backoff_s, backoff_max_s)
         self._failures = 0
-        self._retry: collections.deque[Encoded] = collections.deque()
+        self.spool = spool
+        self._retry: collections.deque[Any] = collections.deque()  # Encoded, or spool Items
         self._wake = asyncio.Event()
+        self._spill_wake = asyncio.Event()
         self._stop_event = asyncio.Event()
         self._stopping = False
         self._producer: Any = None
@@ -194,9 +209,10 @@ class KafkaSender:
     def wake(self) -> None:
         """Called on the loop (via call_soon_threadsafe) when spans were offered."""
         self._wake.set()
+        self._spill_wake.set()
 
     def _has_work(self) -> bool:
-        return bool(self._retry) or self.buffer.has_raw()
+        return bool(self._retry) or self.buffer.has_raw() or (self.spool is not None and self.spool.has_unsent())
 
     async def _next_items(self) -> list[Encoded]:
         """The next round: retried items first, else up to ``batch_size`` spans encoded now.
@@ -208,6 +224,9 @@ class KafkaSender:
         if self._retry:
             n = min(self._batch_size, len(self._retry))
             return [self._retry.popleft() for _ in range(n)]
+        if self.spool is not None:
+            await self._spill(self._batch_size)
+            return self.spool.take(self._batch_size)
         raw = self.buffer.take(self._batch_size)
         items: list[Encoded] = []
         for i in range(0, len(raw), ENCODE_CHUNK):
@@ -218,6 +237,25 @@ class KafkaSender:
             self.buffer.done(lost)
         return items
 
+    async def _spill(self, limit: int | None = None) -> None:
+        """Spool mode: encode buffered spans and append them to the spool (they leave memory)."""
+        assert self.spool is not None
+        moved = 0
+        while self.buffer.has_raw() and (limit is None or moved < limit):
+            raw = self.buffer.take(ENCODE_CHUNK if limit is None else min(ENCODE_CHUNK, limit - moved))
+            items = self._encode(raw)
+            try:
+                self.spool.append(items)
+            except OSError as exc:
+                with self.counters.lock:
+                    self.counters.dropped_spool_error += len(items)
+                    self.counters.last_error = f"spool: {exc}"
+                log.error("boltstream exporter: cannot write %d spans to the spool %s: %s; dropped",
+                          len(items), self.spool.dir, exc)
+            self.buffer.done(len(raw))
+            moved += len(raw)
+            await asyncio.sleep(0)
+
     async def _sleep_backoff(self) -> None:
         self._failures += 1
         base, cap = self._backoff
@@ -226,6 +264,15 @@ class KafkaSender:
             await asyncio.wait_for(self._stop_event.wait(), delay)
         except TimeoutError:
             pass
+
+    async def _spill_loop(self) -> None:
+        """Spool mode, beside :meth:`_run`: spans offered go to disk at once, even while the sender
+        waits on a dead broker (connecting, backing off), so the in-memory buffer never fills."""
+        while not self._stopping:
+            await self._spill_wake.wait()
+            self._spill_wake.clear()
+            await self._spill()
+            self._wake.set()
 
     def _note_failure(self, exc: BaseException) -> None:
         with self.counters.lock:
@@ -242,7 +289,7 @@ class KafkaSender:
                 self.counters.broker_up = True
             if self._failures:
                 log.warning("boltstream exporter: broker reachable again; delivering %d held spans",
-                            self.buffer.unacked)
+                            self.buffer.unacked + (self.spool.pending if self.spool is not None else 0))
         self._failures = 0
 
     async def _ensure_producer(self) -> bool:
@@ -294,13 +341,13 @@ class KafkaSender:
         for p, members in by_partition.items():
             batch, start = producer.create_batch(), 0
             append = batch.append
-            for i, (key, value) in enumerate(members):
-                if append(key=key, value=value, timestamp=ts) is None:  # full: send what fits, start anew
+            for i, item in enumerate(members):
+                if append(key=item[0], value=item[1], timestamp=ts) is None:  # full: send what fits, anew
                     batch.close()
                     sent.append((members[start:i], await producer.send_batch(batch, topic, partition=p)))
                     batch, start = producer.create_batch(), i
                     append = batch.append
-                    append(key=key, value=value, timestamp=ts)
+                    append(key=item[0], value=item[1], timestamp=ts)
             batch.close()
             sent.append((members[start:], await producer.send_batch(batch, topic, partition=p)))
         return sent
@@ -314,13 +361,13 @@ class KafkaSender:
             if not isinstance(res, BaseException):
                 with self.counters.lock:
                     self.counters.acked += len(members)
-                self.buffer.done(len(members))
+                self._finished(members)
             elif _is_size_error(res) and len(members) == 1:
                 log.error("boltstream exporter: broker rejected a %d-byte span as too large; dropped",
                           len(members[0][1]))
                 with self.counters.lock:
                     self.counters.dropped_rejected += 1
-                self.buffer.done(1)
+                self._finished(members)
             else:
                 first_error = first_error or res
                 retry.extend(members)
@@ -329,6 +376,13 @@ class KafkaSender:
         elif round_:
             self._note_success()
         return retry
+
+    def _finished(self, members: list[Any]) -> None:
+        """Records acked or refused for good leave the buffer (or the spool)."""
+        if self.spool is not None:
+            self.spool.settle(members)
+        else:
+            self.buffer.done(len(members))
 
     async def _restart_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -340,9 +394,12 @@ class KafkaSender:
 
     async def run(self, close_timeout: float = 2.0) -> None:
         """Until :meth:`request_stop`: take, encode, send, settle; requeue on failure and back off."""
+        spiller = asyncio.create_task(self._spill_loop()) if self.spool is not None else None
         try:
             await self._run()
         finally:
+            if spiller is not None:
+                spiller.cancel()
             producer, self._producer = self._producer, None
             if producer is not None:
                 try:
@@ -395,3 +452,4 @@ class KafkaSender:
         self._stopping = True
         self._stop_event.set()
         self._wake.set()
+        self._spill_wake.set()

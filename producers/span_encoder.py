@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from boltstream.schemas.records import span_key
+from boltstream.schemas.records import RECORD_HEADROOM, span_key
 
-from .truncate import FRAMING_BYTES, fit
+from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, cap_attributes, fit
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class FastSpanEncoder:
 class SpanRecordEncoder:
     """Record dict -> (key, framed value), truncated to the broker's limit: shared by exporter and ingest."""
 
-    def __init__(self, settings: Any, codec: Any = None) -> None:
+    def __init__(self, settings: Any, codec: Any = None, max_attribute_bytes: int = DEFAULT_MAX_ATTRIBUTE_BYTES) -> None:
         from boltstream.schemas import Codec
 
 
@@ -358,16 +358,19 @@ class SpanRecordEncoder:
         self.encode: Callable[[Mapping[str, Any]], bytes] = fast.encode if fast is not None else (
             lambda rec: self.codec.encode("Span", rec, topic=self.topic))
         self.fast = fast is not None
-        self.limit = settings.max_message_bytes - FRAMING_BYTES
+        # What the stream app accepts (schemas/records.py: it keeps and dead-letters spans whole).
+        self.limit = settings.max_message_bytes - RECORD_HEADROOM
+        self.max_attribute_bytes = max_attribute_bytes
         self._key = span_key
 
     def __call__(self, record: dict[str, Any]) -> tuple[bytes, bytes, list[str]]:
         """(key, value, removed); ``removed`` is non-empty when the span had to be truncated."""
         key = self._key(record)
+        record, cut = cap_attributes(record, self.max_attribute_bytes)
         value = self.encode(record)
         if len(value) + len(key) <= self.limit:
-            return key, value, []
-        value, removed = fit(record, self.encode, self.limit - len(key))
+            return key, value, cut
+        value, removed = fit(record, self.encode, self.limit - len(key), cut)
         return key, value, removed
 
 

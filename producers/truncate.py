@@ -16,6 +16,15 @@ first and say so in-band: ``boltstream.truncated=true`` plus
 
 Sizes are estimated from the encoded form once and the record re-encoded only
 a few times, so a pathological span costs milliseconds, not seconds.
+
+Before that, every span passes :func:`cap_attributes`: no single attribute
+value (a string, or an array's elements together) may exceed
+``max_attribute_bytes`` (``BOLTSTREAM_EXPORTER_MAX_ATTRIBUTE_BYTES``, default
+:data:`DEFAULT_MAX_ATTRIBUTE_BYTES`; 0 turns it off). A longer string keeps
+its first bytes, an array its first elements, and the span carries the same
+markers with ``cut:attribute:<name>``. So one runaway attribute (a 10 MB tool
+output) costs that attribute's tail, not the span's other attributes, and the
+spans topic never carries it whole.
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ from boltstream.schemas import records
 
 TRUNCATED = records.TRUNCATED
 TRUNCATED_FIELDS = records.TRUNCATED_FIELDS
-# Room for the Kafka record/batch framing and the key around the Avro value.
-FRAMING_BYTES = 512
 _KEEP_PREFIX = "boltstream."
+# Large enough for the prompt/tool JSON of ordinary agents (AIR parses tool arguments: a cut JSON
+# reads as invalid), small enough that one runaway value cannot crowd a span out of the broker.
+DEFAULT_MAX_ATTRIBUTE_BYTES = 262_144
 
 
 def _size(v: Any) -> int:
@@ -48,21 +58,62 @@ def _size(v: Any) -> int:
     return 16
 
 
+def _cut(value: Any, limit: int) -> Any:
+    """``value`` cut to about ``limit`` encoded bytes, or None when it is within the limit."""
+    if isinstance(value, str):
+        if len(value) * 4 <= limit:  # cheap test first: UTF-8 takes at most 4 bytes a character
+            return None
+        data = value.encode("utf-8")
+        return data[:limit].decode("utf-8", "ignore") if len(data) > limit else None
+    if isinstance(value, dict) and len(value) == 1:  # an array: {"strings": [...]} and the like
+        (kind, items), = value.items()
+        if not isinstance(items, list) or _size(items) <= limit:
+            return None
+        kept, size = [], 2
+        for item in items:
+            size += _size(item)
+            if size > limit:
+                break
+            kept.append(item)
+        return {kind: kept}
+    return None
+
+
+def cap_attributes(record: dict[str, Any], limit: int) -> tuple[dict[str, Any], list[str]]:
+    """``record`` with no attribute value over ``limit`` bytes, and what was cut (see the module docstring).
+
+    Returns the record itself when nothing is over the limit (the common case costs
+    one pass over the attribute values); otherwise a copy. ``limit`` <= 0: no cap.
+    """
+    if limit <= 0:
+        return record, []
+    attributes = record.get("attributes") or {}
+    cuts = {k: c for k, v in attributes.items() if k not in (TRUNCATED, TRUNCATED_FIELDS)
+            and (c := _cut(v, limit)) is not None}
+    if not cuts:
+        return record, []
+    removed = [f"cut:attribute:{k}" for k in cuts]
+    rec = dict(record)
+    rec["attributes"] = {**attributes, **cuts, TRUNCATED: True, TRUNCATED_FIELDS: {"strings": removed[-200:]}}
+    return rec, removed
+
+
 def fit(
-    record: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], limit: int
+    record: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], limit: int, already: list[str] | None = None
 ) -> tuple[bytes, list[str]]:
     """Encode ``record``; if over ``limit`` bytes, shrink a copy until it fits.
 
     Returns (encoded bytes, names of what was removed); the list is empty when
-    the record fit as it was. The caller's record is never modified.
+    the record fit as it was. The caller's record is never modified. ``already``:
+    what an earlier step (:func:`cap_attributes`) removed, kept in the marker.
     """
     data = encode(record)
     if len(data) <= limit:
-        return data, []
+        return data, list(already or ())
     rec = copy.copy(record)
     rec["attributes"] = dict(record["attributes"])
     rec["events"] = list(record["events"])
-    removed: list[str] = []
+    removed: list[str] = list(already or ())
 
     def attempt() -> bytes:
         rec["attributes"][TRUNCATED] = True

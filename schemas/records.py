@@ -40,6 +40,12 @@ REWARD_PRIMARY = "boltstream.reward.primary"
 # Set on a span whose attributes were cut to fit the broker's message size.
 TRUNCATED = "boltstream.truncated"
 TRUNCATED_FIELDS = "boltstream.truncated.fields"
+# A span (or trajectory) is at most ``max_message_bytes - RECORD_HEADROOM`` bytes: the exporter
+# truncates spans to that, the stream app dead-letters anything larger. The headroom is what the
+# stream app adds around one record when it keeps it in its changelog (chunk framing, store key)
+# or dead-letters it (the DeadLetter envelope with a reason of up to MAX_REASON_CHARS), so a
+# record it accepted can always be kept, and dead-lettered whole.
+RECORD_HEADROOM = 4096
 
 
 def span_key(span: Mapping[str, Any]) -> bytes:

@@ -50,8 +50,6 @@ from .grouping import (
 )
 from .settings import AssemblyConfig, CreditConfig
 from .spans import (
-    REWARD_SPAN_NAME,
-    ROLLOUT_SPAN_NAME,
     attr,
     has_token_ids,
     inherited_agent_names,
@@ -68,8 +66,6 @@ __all__ = [
     "BUILTIN_MATCHERS",
     "DEFAULT_AIR_RULES",
     "DEFAULT_MAX_BATCH_BYTES",
-    "REWARD_SPAN_NAME",
-    "ROLLOUT_SPAN_NAME",
     "VIRTUAL_ROOT_ID",
     "AirResult",
     "AirRule",

@@ -8,8 +8,15 @@ that safe under faust's at-least-once (design.md, "Crash semantics"):
 * Items are identified BY ITEM ID (span id / attempt id): a re-delivered item
   is a duplicate in memory and is not stored again. The new items of a key from
   one consumed batch are written as one table value (a chunk, see
-  streams/tables.py) before that batch's offsets can be committed; a chunk
-  re-applied after a crash holds the same records, so rebuilding is idempotent.
+  streams/tables.py), split into several when they would not fit the broker's
+  message size, and :meth:`Accumulator.save` returns only once the broker acked
+  every chunk: a batch is acknowledged (its offsets can be committed) only after
+  its items are kept. A chunk re-applied after a crash holds the same records,
+  so rebuilding is idempotent.
+* Never ack what was not kept: an item whose chunk the broker refuses (too
+  large, or the write failed) is dead-lettered whole with the reason and leaves
+  the in-memory view, so the entry emits the same thing before and after a
+  restart; the other keys of the batch are saved regardless.
 * A closed key gets a marker in the ``markers`` table and is skipped from then
   on (late duplicates are counted, not re-emitted).
 * Order on close: send the outputs; only after the broker acked them write the
@@ -34,9 +41,17 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .tables import ChangelogMap, make_key, pack_items, split_key, unpack_items
+from .tables import (
+    CHUNK_HEADER_BYTES,
+    CHUNK_ITEM_BYTES,
+    ChangelogMap,
+    make_key,
+    pack_items,
+    split_key,
+    unpack_items,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +59,18 @@ Output = tuple[str, bytes, bytes]  # topic, key, value
 RETRY_AFTER_S = 5.0
 # Chunk ids start with this, so they never collide with an item id stored by an older version.
 CHUNK_PREFIX = "@"
+# Room around a chunk's value in its changelog record: Kafka record/batch framing and the store
+# key (partition, entry key, chunk id), on top of the key's own length.
+CHUNK_FRAMING_BYTES = 512
+
+
+class Staged(NamedTuple):
+    """One item accepted in memory but not yet in the table: what a dead letter needs to keep it whole."""
+
+    offset: int
+    item_id: str
+    key: bytes | None  # the source record's key
+    raw: bytes
 
 
 @dataclass
@@ -58,8 +85,7 @@ class Entry:
     due: float | None = None  # close at or after this time (root seen + grace, group full)
     closing: bool = False
     chunks: set[bytes] = field(default_factory=set)  # table keys holding this entry's items
-    unsaved: list[bytes] = field(default_factory=list)  # raw items staged but not yet in the table
-    unsaved_from: int = -1  # source offset of the first unsaved item: names its chunk (unique per partition)
+    unsaved: list[Staged] = field(default_factory=list)  # items staged but not yet in the table
 
 
 class Accumulator:
@@ -67,8 +93,10 @@ class Accumulator:
 
     kind = "key"
 
-    def __init__(self, app: Any, items: ChangelogMap, markers: ChangelogMap, forget_after_s: float) -> None:
+    def __init__(self, app: Any, items: ChangelogMap, markers: ChangelogMap, forget_after_s: float,
+                 max_bytes: int) -> None:
         self.app = app
+        self.max_bytes = max_bytes  # the broker's message size: a chunk's record must fit it
         self.items = items
         self.markers = markers
         self.forget_after_s = forget_after_s
@@ -101,6 +129,10 @@ class Accumulator:
         """Dead-letter output(s) for an entry whose outputs could not be built or sent."""
         raise NotImplementedError
 
+    async def unsaved(self, entry: Entry, items: Sequence[Staged], reason: str) -> None:
+        """Dead-letter items that could not be kept; called before their batch is acknowledged."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------- processing
 
     def is_closed(self, partition: int, key: str) -> bool:
@@ -110,7 +142,8 @@ class Accumulator:
         return make_key(partition, key) in self.markers
 
     def stage(
-        self, partition: int, key: str, item_id: str, raw: bytes, item: dict[str, Any], now: float, offset: int
+        self, partition: int, key: str, item_id: str, raw: bytes, item: dict[str, Any], now: float, offset: int,
+        record_key: bytes | None = None,
     ) -> Entry | None:
         """Add one item to the in-memory view; returns its entry, or None for a late or duplicate item.
 
@@ -129,21 +162,65 @@ class Accumulator:
             self.stats["duplicate"] += 1
             return None
         entry.items[item_id] = item
-        if not entry.unsaved:
-            entry.unsaved_from = offset
-        entry.unsaved.append(raw)
+        entry.unsaved.append(Staged(offset, item_id, record_key, raw))
         self.on_item(entry, item, now)
         return entry
 
+    def chunks_of(self, entry: Entry, staged: Sequence[Staged]) -> list[list[Staged]]:
+        """``staged`` cut into runs whose packed chunk fits the broker's message size (in order).
+
+        An item too large even alone forms a run of its own (its write fails and it is
+        dead-lettered); the stages refuse such items at intake, so that is the last resort.
+        """
+        budget = self.max_bytes - CHUNK_FRAMING_BYTES - len(entry.key.encode("utf-8"))
+        runs: list[list[Staged]] = []
+        size = budget  # forces a new run for the first item
+        for item in staged:
+            cost = CHUNK_ITEM_BYTES + len(item.raw)
+            if size + cost > budget:
+                runs.append([])
+                size = CHUNK_HEADER_BYTES
+            runs[-1].append(item)
+            size += cost
+        return runs
+
     async def save(self, entries: Iterable[Entry]) -> None:
-        """Write each entry's staged items as one chunk to the changelog partition of its source."""
+        """Write each entry's staged items to the changelog partition of its source; wait for the acks.
+
+        One chunk per entry, more when they would not fit one record. Items whose chunk
+        the producer refuses or the broker does not acknowledge are handed to
+        :meth:`unsaved` (the DLQ); the other entries' chunks are written regardless.
+        """
+        written: list[tuple[Entry, bytes, list[Staged], asyncio.Future[Any]]] = []
         for entry in entries:
-            if not entry.unsaved:
-                continue
-            chunk_key = make_key(entry.partition, entry.key, f"{CHUNK_PREFIX}{entry.unsaved_from}")
-            raws, entry.unsaved = entry.unsaved, []
-            entry.chunks.add(chunk_key)
-            await self.items.put(entry.partition, chunk_key, pack_items(raws))
+            staged, entry.unsaved = entry.unsaved, []
+            for run in self.chunks_of(entry, staged) if staged else ():
+                chunk_key = make_key(entry.partition, entry.key, f"{CHUNK_PREFIX}{run[0].offset}")
+                try:
+                    ack = await self.items.put(entry.partition, chunk_key, pack_items([s.raw for s in run]))
+                except Exception as exc:  # refused locally (too large, producer closed): never sent
+                    await self._not_kept(entry, chunk_key, run, exc)
+                    continue
+                entry.chunks.add(chunk_key)
+                written.append((entry, chunk_key, run, ack))
+        for entry, chunk_key, run, ack in written:
+            try:
+                await ack
+            except Exception as exc:  # the broker refused it or the producer gave up
+                await self._not_kept(entry, chunk_key, run, exc)
+
+    async def _not_kept(self, entry: Entry, chunk_key: bytes, run: Sequence[Staged], exc: BaseException) -> None:
+        log.error("%s %s: %d item(s) not kept (%s: %s); sent to the DLQ", self.kind, entry.key, len(run),
+                  type(exc).__name__, exc)
+        self.stats["not_kept"] += len(run)
+        self.items.store.pop(chunk_key, None)
+        entry.chunks.discard(chunk_key)
+        for item in run:
+            entry.items.pop(item.item_id, None)
+        if not entry.items and not entry.chunks and not entry.unsaved:
+            self.open.pop((entry.partition, entry.key), None)
+        await self.unsaved(entry, run, f"{self.kind} {entry.key}: cannot keep it in the stream state: "
+                                       f"{type(exc).__name__}: {exc}")
 
     async def close(self, entry: Entry, timed_out: bool = False) -> None:
         """Emit the entry's outputs; marker and cleanup follow once the broker acked them."""

@@ -162,10 +162,28 @@ class StreamApp:
         await self._consume(self.groups, stream)
 
     async def _rollout_batch(self, messages: list[Any]) -> None:
-        await self.rollouts.on_batch(messages, time.time())
+        await self._batch(self.rollouts, messages)
 
     async def _group_batch(self, messages: list[Any]) -> None:
-        await self.groups.on_batch(messages, time.time())
+        await self._batch(self.groups, messages)
+
+    async def _batch(self, stage: RolloutStage | GroupStage, messages: list[Any]) -> None:
+        """Hand a fetch to ``stage``; if the stage itself fails, dead-letter the whole batch.
+
+        The transport acknowledges the batch when this returns, so a batch must not
+        leave here neither kept nor dead-lettered. The stages handle bad records and
+        unwritable state themselves; this is the last resort for a bug (some of the
+        records may then be both kept and in the DLQ: a copy, never a loss).
+        """
+        try:
+            await stage.on_batch(messages, time.time())
+        except Exception as exc:
+            log.exception("%s stage failed on a batch of %d record(s); dead-lettering them", stage.kind, len(messages))
+            for message in messages:
+                await self.dlq.reject(
+                    message, f"internal error in the {stage.kind} stage on its batch: {type(exc).__name__}: {exc}",
+                    "internal_error",
+                )
 
     async def _tick(self) -> None:
         now = time.time()

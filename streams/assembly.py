@@ -22,6 +22,10 @@ Steps:
    ``dropped_calls`` with the reason.
 6. AIR rules attach intermediate rewards to calls; final rewards, status, error
    and timings come from the ``boltstream.rollout`` span and final reward spans.
+7. A rollout carrying a value training must not see (a non-finite reward, a
+   NaN/inf/positive logprob, a negative or inverted span time; see
+   streams/validate.py) raises :class:`InvalidRollout`: the stream app
+   dead-letters it whole instead of emitting it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from boltstream.schemas import records
+
 from .air import CallRef, evaluate_air
 from .settings import AssemblyConfig
 from .spans import (
-    ATTR_ERROR,
-    ATTR_STATUS,
     Span,
     attr,
     has_token_ids,
@@ -50,6 +54,7 @@ from .spans import (
     status_code,
     status_message,
 )
+from .validate import span_problems, summarise, trajectory_problems
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,10 @@ TRAJECTORY_STATUSES = ("ok", "failed", "timeout", "abandoned")
 
 class AssemblyError(ValueError):
     """The spans cannot form a trajectory (no spans, or no rollout/task id): send them to the DLQ."""
+
+
+class InvalidRollout(AssemblyError):
+    """The spans form a trajectory that must not be trained on (streams/validate.py): send them to the DLQ."""
 
 
 @dataclass
@@ -262,11 +271,11 @@ def _status(root: Span | None, status: str | None, error: str | None) -> tuple[s
         if root is None:
             status = "abandoned"
         else:
-            status = attr(root, ATTR_STATUS) or ("failed" if status_code(root) == "ERROR" else "ok")
+            status = attr(root, records.STATUS) or ("failed" if status_code(root) == "ERROR" else "ok")
     if status not in TRAJECTORY_STATUSES:
         logger.warning("unknown rollout status %r; kept as is", status)
     if error is None and root is not None:
-        error = attr(root, ATTR_ERROR) or (status_message(root) if status_code(root) == "ERROR" else None)
+        error = attr(root, records.ERROR) or (status_message(root) if status_code(root) == "ERROR" else None)
     return status, error
 
 
@@ -292,6 +301,9 @@ def assemble_trajectory_with_stats(
     roots = [s for s in tree.spans.values() if is_rollout_root(s)]
     root = min(roots, key=lambda s: (s.get("start_time_ns", 0), s["span_id"])) if roots else None
     rid, aid, tid = _resolve_ids(tree, root, rollout_id, attempt_id, task_id)
+    problems = span_problems(tree.spans.values())
+    if problems:
+        raise InvalidRollout(f"rollout {rid}: {summarise(problems)}")
 
     kinds = {sid: span_kind(s) for sid, s in tree.spans.items()}
     llm_ids = [sid for sid, kind in kinds.items() if kind.llm]
@@ -378,6 +390,9 @@ def assemble_trajectory_with_stats(
         status=final_status, error=final_error, start_time_ns=start_ns, end_time_ns=end_ns,
         span_count=len(tree.spans), dropped_calls=dropped,
     )
+    problems = trajectory_problems(trajectory)
+    if problems:
+        raise InvalidRollout(f"rollout {rid}: {summarise(problems)}")
     logger.debug("assembled rollout %s attempt %s: %s", rid, aid, stats)
     return trajectory, stats
 

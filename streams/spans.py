@@ -45,21 +45,6 @@ logger = logging.getLogger(__name__)
 
 Span = Mapping[str, Any]
 
-ROLLOUT_SPAN_NAME = records.ROLLOUT_SPAN
-REWARD_SPAN_NAME = records.REWARD_SPAN
-
-ATTR_ROLLOUT_ID = records.ROLLOUT_ID
-ATTR_ATTEMPT_ID = records.ATTEMPT_ID
-ATTR_TASK_ID = records.TASK_ID
-ATTR_STATUS = records.STATUS
-ATTR_ERROR = records.ERROR
-ATTR_AGENT_NAME = records.AGENT_NAME
-ATTR_SPAN_KIND = records.SPAN_KIND
-ATTR_REWARD_NAME = records.REWARD_NAME
-ATTR_REWARD_VALUE = records.REWARD_VALUE
-ATTR_REWARD_FINAL = records.REWARD_FINAL
-ATTR_REWARD_PRIMARY = records.REWARD_PRIMARY
-
 _ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
 _LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content", "responses"})
 _LEGACY_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
@@ -153,7 +138,7 @@ def _is_llm(span: Span, attrs: Mapping[str, Any]) -> bool:
     if not attrs:
         return False
     return (
-        attrs.get(ATTR_SPAN_KIND) == "llm"
+        attrs.get(records.SPAN_KIND) == "llm"
         or _lower_in(attrs, "gen_ai.operation.name", _LLM_OPERATIONS)
         or _oi_kind(attrs) == "LLM"
         or _lower_in(attrs, "llm.request.type", _LEGACY_LLM_REQUEST_TYPES)
@@ -183,7 +168,7 @@ _EXECUTE_TOOL = frozenset({"execute_tool"})
 
 def _is_tool_attrs(attrs: Mapping[str, Any]) -> bool:
     return (
-        attrs.get(ATTR_SPAN_KIND) == "tool"
+        attrs.get(records.SPAN_KIND) == "tool"
         or _lower_in(attrs, "gen_ai.operation.name", _EXECUTE_TOOL)
         or _oi_kind(attrs) == "TOOL"
         or _lower_in(attrs, "traceloop.span.kind", _TOOL)
@@ -199,12 +184,12 @@ def is_tool_span(span: Span) -> bool:
 def is_reward_span(span: Span) -> bool:
     """True for a reward span: ``boltstream.reward`` (``emit_reward``, the runner) or one the
     producers' normaliser recognised (``boltstream.span.kind`` = ``reward``, e.g. Agent Lightning's)."""
-    return span.get("name") == REWARD_SPAN_NAME or _attrs(span).get(ATTR_SPAN_KIND) == "reward"
+    return span.get("name") == records.REWARD_SPAN or _attrs(span).get(records.SPAN_KIND) == "reward"
 
 
 def is_rollout_root(span: Span) -> bool:
     """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
-    return span.get("name") == ROLLOUT_SPAN_NAME
+    return span.get("name") == records.ROLLOUT_SPAN
 
 
 class SpanKind(NamedTuple):
@@ -222,7 +207,7 @@ def span_kind(span: Span) -> SpanKind:
     return SpanKind(
         llm,
         bool(attrs) and not llm and _is_tool_attrs(attrs),
-        span.get("name") == REWARD_SPAN_NAME or attrs.get(ATTR_SPAN_KIND) == "reward",
+        span.get("name") == records.REWARD_SPAN or attrs.get(records.SPAN_KIND) == "reward",
     )
 
 
@@ -246,15 +231,15 @@ def reward_of(span: Span) -> RewardInfo | None:
     """
     if not is_reward_span(span):
         return None
-    value = attr(span, ATTR_REWARD_VALUE)
+    value = attr(span, records.REWARD_VALUE)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        logger.warning("reward span %s has no numeric %s: %r", span.get("span_id"), ATTR_REWARD_VALUE, value)
+        logger.warning("reward span %s has no numeric %s: %r", span.get("span_id"), records.REWARD_VALUE, value)
         return None
-    primary = bool(attr(span, ATTR_REWARD_PRIMARY, False))
+    primary = bool(attr(span, records.REWARD_PRIMARY, False))
     return RewardInfo(
-        name=_str_attr(span, ATTR_REWARD_NAME) or "reward",
+        name=_str_attr(span, records.REWARD_NAME) or "reward",
         value=float(value),
-        final=bool(attr(span, ATTR_REWARD_FINAL, primary)),
+        final=bool(attr(span, records.REWARD_FINAL, primary)),
         primary=primary,
         span_id=str(span.get("span_id")),
         time_ns=int(span.get("start_time_ns") or 0),
@@ -264,9 +249,9 @@ def reward_of(span: Span) -> RewardInfo | None:
 def span_ids(span: Span) -> tuple[str | None, str | None, str | None]:
     """(rollout_id, attempt_id, task_id): ``boltstream.*`` attributes first, then promoted fields."""
     return (
-        _str_attr(span, ATTR_ROLLOUT_ID) or span.get("rollout_id"),
-        _str_attr(span, ATTR_ATTEMPT_ID) or span.get("attempt_id"),
-        _str_attr(span, ATTR_TASK_ID) or span.get("task_id"),
+        _str_attr(span, records.ROLLOUT_ID) or span.get("rollout_id"),
+        _str_attr(span, records.ATTEMPT_ID) or span.get("attempt_id"),
+        _str_attr(span, records.TASK_ID) or span.get("task_id"),
     )
 
 
@@ -290,7 +275,7 @@ def _from_metadata_json(attrs: Mapping[str, Any]) -> str | None:
 _METADATA_KEYS = tuple(prefix + key for key in _AGENT_METADATA_KEYS for prefix in _METADATA_PREFIXES)
 # Every attribute own_agent_name reads: a span carrying none of them names no agent.
 _AGENT_NAME_KEYS = frozenset(
-    {ATTR_AGENT_NAME, "gen_ai.agent.name", "agent.name", "graph.node.id", "recipient_agent_type", "metadata",
+    {records.AGENT_NAME, "gen_ai.agent.name", "agent.name", "graph.node.id", "recipient_agent_type", "metadata",
      "langgraph.node", *_METADATA_KEYS}
 )
 
@@ -300,7 +285,7 @@ def own_agent_name(span: Span) -> str | None:
     attrs = _attrs(span)
     if not attrs or _AGENT_NAME_KEYS.isdisjoint(attrs):  # every source below is one of these attributes
         return None
-    for key in (ATTR_AGENT_NAME, "gen_ai.agent.name", "agent.name"):
+    for key in (records.AGENT_NAME, "gen_ai.agent.name", "agent.name"):
         name = _str_of(attrs, key)
         if name:
             return name

@@ -10,11 +10,20 @@ reads in Redpanda Console or any Avro-aware tool.
 Rollout stage (spans topic, keyed by rollout id):
 
 * undecodable bytes, a record of another schema, a span without ``rollout_id``
-  or ``span_id`` -> dead letter, the worker goes on;
+  or ``span_id``, a record over ``max_message_bytes - RECORD_HEADROOM`` (it
+  could not be kept in the changelog, see schemas/records.py) -> dead letter,
+  the worker goes on;
 * the ``boltstream.rollout`` root span sets the close time to now + ``grace_s``
   (0: close at once); no root and no new span for ``rollout_timeout_s`` -> closed
   as ``abandoned``;
-* a rollout the pure core cannot assemble (no task id anywhere) -> one dead letter.
+* a rollout the pure core cannot assemble (no task id anywhere) or must not
+  train on (a non-finite reward, bad behaviour logprobs, negative or inverted
+  span times: streams/validate.py), or whose trajectory cannot be encoded or
+  sent (too large) -> every one of its spans is dead-lettered with the reason.
+
+Both stages: what a stage cannot keep in its changelog (the broker refused the
+chunk) is dead-lettered whole before the batch is acknowledged, and the other
+keys of the batch are kept (streams/accumulator.py).
 
 Group stage (trajectories topic, keyed by task id, so all attempts of a task
 meet on one partition): a group is one task's attempts within one run
@@ -22,6 +31,8 @@ meet on one partition): a group is one task's attempts within one run
 forms its own groups); it closes when ``group_size`` distinct attempts
 are there, or ``group_timeout_s`` after its first trajectory (then
 ``complete=False``); a trajectory for an already emitted group is late and dropped.
+A trajectory with a non-finite reward or bad logprobs (written by an older
+worker or by hand) is dead-lettered alone, so its group closes without it.
 """
 
 from __future__ import annotations
@@ -33,13 +44,15 @@ from typing import Any
 
 from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
+from boltstream.schemas.records import RECORD_HEADROOM
 
-from .accumulator import Accumulator, Entry, Output
-from .assembly import assemble_trajectory_with_stats
+from .accumulator import Accumulator, Entry, Output, Staged
+from .assembly import InvalidRollout, assemble_trajectory_with_stats
 from .config import StreamConfig
 from .grouping import build_training_batches, group_key
 from .spans import is_rollout_root
 from .tables import ChangelogMap, unpack_items
+from .validate import summarise, trajectory_problems
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +72,9 @@ class _Stage(Accumulator):
         codec: Codec,
         dlq: DeadLetterWriter,
     ) -> None:
-        super().__init__(app, items, markers, config.forget_after_s)
+        super().__init__(app, items, markers, config.forget_after_s, config.settings.max_message_bytes)
+        # Larger records could not be kept in the changelog, nor dead-lettered whole later.
+        self.item_limit = config.settings.max_message_bytes - RECORD_HEADROOM
         self.config = config
         self.codec = codec
         self.dlq = dlq
@@ -68,14 +83,23 @@ class _Stage(Accumulator):
     def decode_item(self, raw: bytes) -> dict[str, Any]:
         return self.codec.decode(raw, topic=self.in_topic, expect=self.record)
 
-    def failed(self, entry: Entry, reason: str) -> Sequence[Output]:
-        log.error("%s %s: %s; sent to the DLQ", self.kind, entry.key, reason)
-        self.dlq.counts[f"{self.kind}_failed"] += 1
-        raw = next((unpack_items(v)[0] for k in sorted(entry.chunks) if (v := self.items.get(k))), b"")
+    def failed(self, entry: Entry, reason: str, category: str = "") -> Sequence[Output]:
+        """One dead letter per stored item of the entry (each whole: the stages refuse bigger ones)."""
+        category = category or f"{self.kind}_failed"
+        log.error("%s %s: %s; its items go to the DLQ", self.kind, entry.key, reason)
+        self.dlq.counts[category] += 1
+        raws = dict.fromkeys(raw for k in sorted(entry.chunks) if (v := self.items.get(k)) for raw in unpack_items(v))
         key = entry.key.encode()
-        letter = self.dlq.encode(f"{self.kind} {entry.key}: {reason}", topic=self.in_topic,
-                                 partition=entry.partition, offset=-1, key=key, value=raw)
-        return [(self.dlq.topic, key, letter)]
+        return [
+            (self.dlq.topic, key, self.dlq.encode(f"{self.kind} {entry.key}: {reason}", topic=self.in_topic,
+                                                  partition=entry.partition, offset=-1, key=key, value=raw))
+            for raw in raws
+        ]
+
+    async def unsaved(self, entry: Entry, items: Sequence[Staged], reason: str) -> None:
+        for item in items:
+            await self.dlq.send(reason, topic=self.in_topic, partition=entry.partition, offset=item.offset,
+                                key=item.key, value=item.raw, category="not_kept")
 
     def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
         """(reason, DLQ category) when a decoded record cannot be accumulated, else None."""
@@ -84,38 +108,45 @@ class _Stage(Accumulator):
     async def on_batch(self, messages: Sequence[Any], now: float) -> None:
         """Consumed records of the input topic, in offset order per partition.
 
-        Each is decoded and staged; every key the batch touched is saved as one
-        chunk; then the keys that became due are closed together. A record that
-        cannot be used - or that hits an internal error - is dead-lettered alone.
+        Each is decoded and staged; every key the batch touched is saved (one
+        chunk, or more when large) and the call returns once the broker has them;
+        then the keys that became due are closed together. A record that cannot
+        be used or kept - or that hits an internal error - is dead-lettered alone.
         """
         touched: dict[tuple[int, str], Entry] = {}
-        try:
-            for message in messages:
-                self.stats["records"] += 1
-                try:
-                    item = self.decode_item(message.value)
-                except SchemaError as exc:
-                    await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
+        for message in messages:
+            self.stats["records"] += 1
+            value = message.value if message.value is not None else b""
+            if len(value) > self.item_limit:
+                await self.dlq.reject(message, (
+                    f"{self.record} record of {len(value)} bytes is over the {self.item_limit}-byte limit of what "
+                    f"the stream app can keep (max_message_bytes - {RECORD_HEADROOM}); producers must truncate "
+                    "(the exporter does)"), "oversize")
+                continue
+            try:
+                item = self.decode_item(value)
+            except SchemaError as exc:
+                await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
+                continue
+            try:
+                problem = self.identify(item)
+                if problem is not None:
+                    await self.dlq.reject(message, *problem)
                     continue
-                try:
-                    problem = self.identify(item)
-                    if problem is not None:
-                        await self.dlq.reject(message, *problem)
-                        continue
-                    key, item_id = self.item_key_of(item)
-                    entry = self.stage(message.partition, key, item_id, message.value, item, now, message.offset)
-                except Exception as exc:  # never let one record stop the stage
-                    log.exception("%s[%d]@%d: internal error", message.topic, message.partition, message.offset)
-                    await self.dlq.reject(
-                        message, f"internal error in the {self.kind} stage: {type(exc).__name__}: {exc}",
-                        "internal_error",
-                    )
-                    continue
-                if entry is not None:
-                    touched[(entry.partition, entry.key)] = entry
-        finally:
-            await self.save(touched.values())
-        due = [(e, False) for e in touched.values() if e.due is not None and now >= e.due and not e.closing]
+                key, item_id = self.item_key_of(item)
+                entry = self.stage(message.partition, key, item_id, value, item, now, message.offset, message.key)
+            except Exception as exc:  # never let one record stop the stage
+                log.exception("%s[%d]@%d: internal error", message.topic, message.partition, message.offset)
+                await self.dlq.reject(
+                    message, f"internal error in the {self.kind} stage: {type(exc).__name__}: {exc}",
+                    "internal_error",
+                )
+                continue
+            if entry is not None:
+                touched[(entry.partition, entry.key)] = entry
+        await self.save(touched.values())
+        due = [(e, False) for e in touched.values()
+               if e.due is not None and now >= e.due and not e.closing and self.open.get((e.partition, e.key)) is e]
         if due:
             await self.close_all(due)
 
@@ -147,9 +178,13 @@ class RolloutStage(_Stage):
         overrides: dict[str, str] = {}
         if timed_out:
             overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}
-        trajectory, stats = assemble_trajectory_with_stats(
-            entry.items.values(), self.assembly, rollout_id=entry.key, **overrides
-        )
+        try:
+            trajectory, stats = assemble_trajectory_with_stats(
+                entry.items.values(), self.assembly, rollout_id=entry.key, **overrides
+            )
+        except InvalidRollout as exc:
+            self.stats["invalid"] += 1
+            return self.failed(entry, f"rejected: {exc}", "invalid_rollout")
         self.stats["llm_calls"] += stats.llm_calls
         self.stats["trained_calls"] += stats.trained_calls
         self.stats["dropped_calls"] += stats.dropped_calls
@@ -204,6 +239,12 @@ class GroupStage(_Stage):
             self.stats["split_groups"] += 1
         key = task_id.encode()
         return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
+
+    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+        problems = trajectory_problems(item)
+        if problems:
+            return f"trajectory {item.get('attempt_id')} rejected: {summarise(problems)}", "invalid_trajectory"
+        return None
 
     def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
         return group_key(item["task_id"], item["attempt_id"]), item["attempt_id"]

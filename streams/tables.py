@@ -52,6 +52,8 @@ SEP = b"\x1f"
 # First byte of a chunk value; a single raw record (Avro: 0xC3 or 0x00) never starts with it.
 CHUNK_MAGIC = b"\xb5"
 _LEN = struct.Struct(">I")
+CHUNK_HEADER_BYTES = len(CHUNK_MAGIC)  # what a chunk adds once, and per item (:func:`pack_items`)
+CHUNK_ITEM_BYTES = _LEN.size
 
 
 def make_key(partition: int, *parts: str) -> bytes:

@@ -83,11 +83,13 @@ def settings_env(settings: Settings, tmp_path: Path) -> dict[str, str]:
     Starts from ``os.environ`` minus any ``BOLTSTREAM_*`` the developer's shell
     had, then sets every variable ``boltstream stack env`` would, plus a state
     file path that does not exist so no stray ``.boltstream/stack.json`` in
-    the working directory can leak in.
+    the working directory can leak in, and a state directory of the test's own
+    (the runner's and the worker's default spool live there).
     """
     from boltstream.stack import settings_env as to_env
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
     env.update(to_env(settings))
     env["BOLTSTREAM_STATE_FILE"] = str(tmp_path / "no-stack.json")
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")  # the runner's and worker's default spool: per test
     return env

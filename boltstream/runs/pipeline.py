@@ -85,15 +85,17 @@ class PipelineConfig:
         lora = ["--lora"] if self.lora else ["--no-lora"]
         pacing = ["--tasks-per-version", str(self.tasks_per_version)] if self.tasks_per_version else []
         metrics = ["--metrics-path", str(metrics_path)] if metrics_path else []
+        # Each run spools in its own folder: a user-wide spool would replay another run's spans into
+        # this run's broker (the embedded stack is new every run).
         return {
             "worker": ["serve", "--model", self.model, "--served-model-name", MODEL_NAME, "--port", str(port),
-                       *lora],
+                       "--spool-dir", str(self.out / "spool" / "worker"), *lora],
             "stream": ["stream", "worker", *group, *to_argv(StreamConfig, self.stream)],
             "learner": ["learn", "--model", self.model, "--model-name", MODEL_NAME, "--max-steps", str(self.steps),
                         "--checkpoint-every", "1", *metrics, *lora, *to_argv(LearnerConfig, self.learner)],
             "tasks": ["tasks", "publish", str(self.train), "--split", "train", *group],
             "runner": ["runner", "--agent", self.agent, "--workers", str(self.runner_workers), *group,
-                       "--base-url", base_url, *pacing],
+                       "--base-url", base_url, "--spool-dir", str(self.out / "spool" / "runner"), *pacing],
         }
 
     def stream_config(self) -> StreamConfig:
@@ -108,7 +110,10 @@ class PipelineConfig:
 
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
-    return vars(parser.parse_args(argv))
+    try:
+        return vars(parser.parse_args(argv))
+    except SystemExit as exc:  # argparse has said why on stderr (an invalid choice, say)
+        raise BoltstreamError(f"invalid settings for {parser.prog}: {' '.join(argv)}") from exc
 
 
 def http_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:

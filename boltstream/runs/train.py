@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -116,6 +117,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
         "learner": cfg.learner_config().to_dict(),
     }
 
+    if not external:  # a new embedded stack: spans spooled for an earlier run's broker mean nothing here
+        shutil.rmtree(out / "spool", ignore_errors=True)
     with _stack(out, external) as (settings, state_file):
         env = component_env(settings, state_file, cfg.extra_env)
         procs = Processes(out / "logs", env)

@@ -31,7 +31,8 @@ from boltstream.streams.config import StreamConfig
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "infra" / "docker-compose.yml"
 # What a run decides for itself (names, lengths, where metrics go): not a training setting.
-RUN_SPECIFIC = {"model_name", "max_steps", "checkpoint_every", "metrics_path", "served_model_name", "port", "host"}
+RUN_SPECIFIC = {"model_name", "max_steps", "checkpoint_every", "metrics_path", "served_model_name", "port", "host",
+                "spool_dir"}
 COMPONENTS: dict[str, tuple[type, Any, list[str]]] = {
     # config class, its parser, the argv words before the options
     "learn": (LearnerConfig, learner_parser, []),
@@ -131,6 +132,8 @@ def test_a_bad_override_fails_when_the_run_is_configured(run_cfg: PipelineConfig
         dataclasses.replace(run_cfg, learner={"lr_warmup": 2})
     with pytest.raises(Exception, match="gamma"):
         dataclasses.replace(run_cfg, stream={"gamma": 2.0})
+    with pytest.raises(Exception, match="call-credit tokens"):
+        dataclasses.replace(run_cfg, stream={"call_credit": "tokens"})
 
 
 # --------------------------------------------------------------------------- compose

@@ -39,6 +39,14 @@ def test_free_port_can_be_bound() -> None:
         sock.bind((LOOPBACK, port))
 
 
+def test_free_port_is_never_one_the_kernel_hands_to_outgoing_connections() -> None:
+    """The race behind the flaky two-rank DeepSpeed test: an ephemeral port can be taken before it is bound."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(50)}
+    assert not [p for p in ports if low <= p <= high], (low, high)
+    assert len(ports) > 40, "random draws: concurrent callers rarely get the same port"
+
+
 def test_terminate_stops_a_child_and_a_recycled_pid_is_not_alive(tmp_path: Path) -> None:
     log = tmp_path / "sleeper.log"
     proc = spawn("sleeper", SLEEPER, log, dict(os.environ))

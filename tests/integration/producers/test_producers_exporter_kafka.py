@@ -11,6 +11,7 @@ import boltstream
 from boltstream.config import Settings
 from boltstream.producers.exporter import KafkaSpanExporter
 from boltstream.producers.rollout_processor import install_rollout_processor
+from boltstream.producers.truncate import DEFAULT_MAX_ATTRIBUTE_BYTES
 
 
 class Weird:
@@ -53,7 +54,9 @@ def test_rollout_spans_reach_the_topic_keyed_by_rollout(settings: Settings, help
     assert tools[0]["attributes"]["mixed"] == {"strings": ["1", "a", "null"]}
     huge = [r for _, _, r in recs if r["name"] == "huge"]
     assert all(h["attributes"]["boltstream.truncated"] is True for h in huge)
-    assert all("attribute:input.value" in h["attributes"]["boltstream.truncated.fields"]["strings"] for h in huge)
+    # The per-attribute cap keeps the value's first bytes (docs/producers.md), the rest of the span fits whole.
+    assert all(h["attributes"]["boltstream.truncated.fields"]["strings"] == ["cut:attribute:input.value"] for h in huge)
+    assert all(h["attributes"]["input.value"] == "x" * DEFAULT_MAX_ATTRIBUTE_BYTES for h in huge)
     assert huge[0]["llm"]["response_token_ids"] == list(range(5000)), "token ids survive when they fit"
     finals = sorted(r["attributes"]["boltstream.reward.value"] for _, _, r in recs if r["name"] == "boltstream.reward")
     assert finals == [0.0, 1.0, 2.0]

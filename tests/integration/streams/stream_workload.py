@@ -141,8 +141,11 @@ def make_workload(tasks: int, group_size: int = 4, seed: int = 7, run: str = "ru
     ]
 
 
-def reference_samples(rollouts: list[Rollout]) -> dict[str, dict[str, Any]]:
-    """sample_id -> {advantage, token_ids, reward} by the gamma = 1 closed form (no pure core)."""
+def reference_samples(rollouts: list[Rollout], std_normalize: bool = False) -> dict[str, dict[str, Any]]:
+    """sample_id -> {advantage, token_ids, reward} by the gamma = 1 closed form (no pure core).
+
+    Advantage = G - group mean (the stream app's default), divided by the group's sample std
+    with ``std_normalize`` (plain GRPO)."""
     by_task: dict[str, list[Rollout]] = {}
     for r in rollouts:
         by_task.setdefault(r.task_id, []).append(r)
@@ -156,7 +159,7 @@ def reference_samples(rollouts: list[Rollout]) -> dict[str, dict[str, Any]]:
             for t, (prompt, response) in enumerate(r.calls):
                 g = (r.final_reward or 0.0) + sum(r.step_rewards[t:])
                 out[f"{r.attempt_id}:{t}"] = {
-                    "advantage": (g - mean) / (std + EPS),
+                    "advantage": (g - mean) / (std + EPS) if std_normalize else g - mean,
                     "reward": g,
                     "token_ids": prompt + response,
                     "rollout_id": r.rollout_id,

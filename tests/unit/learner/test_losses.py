@@ -238,16 +238,17 @@ def test_chunked_logprobs_and_entropy_match_full_log_softmax(chunk: int) -> None
     assert torch.allclose(g1, g2, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 1000])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_linear_logprobs_match_naive_values_and_gradients(chunk: int, temperature: float) -> None:
-    g = torch.Generator().manual_seed(1)
+def _assert_matches_naive(chunk: int, temperature: float | torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    """The chunked head against ``log_softmax(logits / T)`` (T a number or one per row): values,
+    entropies and gradients. Returns (hidden, weight, bias, labels) for further checks."""
+    g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(9, 6, generator=g, requires_grad=True)
     weight = torch.randn(13, 6, generator=g, requires_grad=True)
     bias = torch.randn(13, generator=g, requires_grad=True)
     labels = torch.randint(0, 13, (9,), generator=g)
     upstream = torch.randn(9, generator=g)
-    logits = (hidden @ weight.t() + bias) / temperature
+    divisor = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    logits = (hidden @ weight.t() + bias) / divisor
     naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     p = torch.softmax(logits, -1)
     naive_ent = -(p * torch.log(p)).sum(-1)
@@ -260,6 +261,13 @@ def test_linear_logprobs_match_naive_values_and_gradients(chunk: int, temperatur
     want = torch.autograd.grad((naive * upstream).sum(), (hidden, weight, bias))
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_linear_logprobs_match_naive_values_and_gradients(chunk: int, temperature: float) -> None:
+    _assert_matches_naive(chunk, temperature, seed=1)
 
 
 def test_linear_logprobs_per_row_temperature_hand_computed() -> None:
@@ -276,26 +284,8 @@ def test_linear_logprobs_per_row_temperature_hand_computed() -> None:
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_linear_logprobs_per_row_temperatures_match_naive_values_and_gradients(chunk: int) -> None:
     """Each row divided by its own T, forward and backward, as ``log_softmax(logits / T)`` per row."""
-    g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(9, 6, generator=g, requires_grad=True)
-    weight = torch.randn(13, 6, generator=g, requires_grad=True)
-    bias = torch.randn(13, generator=g, requires_grad=True)
-    labels = torch.randint(0, 13, (9,), generator=g)
-    upstream = torch.randn(9, generator=g)
     temps = torch.tensor([0.7, 0.7, 1.0, 1.0, 0.3, 1.6, 0.7, 1.0, 2.0])
-    logits = (hidden @ weight.t() + bias) / temps.unsqueeze(-1)
-    naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    p = torch.softmax(logits, -1)
-    naive_ent = -(p * torch.log(p)).sum(-1)
-    lp, ent = linear_token_logprobs(
-        hidden, weight, labels, bias=bias, chunk_size=chunk, temperature=temps, with_entropy=True
-    )
-    assert torch.allclose(lp, naive, atol=1e-5)
-    assert torch.allclose(ent, naive_ent, atol=1e-5)
-    got = torch.autograd.grad((lp * upstream).sum(), (hidden, weight, bias))
-    want = torch.autograd.grad((naive * upstream).sum(), (hidden, weight, bias))
-    for a, b in zip(got, want, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
+    hidden, weight, bias, labels = _assert_matches_naive(chunk, temps, seed=3)
     # a tensor of equal values is the same as that one value
     same, _ = linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=torch.full((9,), 0.7))
     assert torch.equal(same, linear_token_logprobs(hidden, weight, labels, bias=bias, temperature=0.7)[0])

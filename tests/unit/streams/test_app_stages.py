@@ -8,6 +8,7 @@ tombstones" can be checked step by step.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,11 +28,16 @@ CODEC = Codec()
 class FakeProducer:
     def __init__(self, auto_ack: bool = True) -> None:
         self.auto_ack = auto_ack
+        self.ack_topics: set[str] = set()  # acked at once even without auto_ack
+        self.refuse: Callable[[str, bytes | None], Exception | None] = lambda topic, value: None
         self.sent: list[tuple[str, bytes | None, bytes | None, int | None, asyncio.Future[Any]]] = []
 
     async def send(self, topic: str, key: Any, value: Any, partition: Any, ts: Any, headers: Any) -> Any:
+        refused = self.refuse(topic, value)
+        if refused is not None:  # like aiokafka's local MessageSizeTooLargeError: raised, nothing sent
+            raise refused
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        if self.auto_ack:
+        if self.auto_ack or topic in self.ack_topics:
             fut.set_result(None)
         self.sent.append((topic, key, value, partition, fut))
         return fut
@@ -125,6 +131,7 @@ async def test_duplicate_span_is_stored_once() -> None:
 
 async def test_marker_waits_for_output_ack_and_items_wait_for_marker_ack() -> None:
     stage, app = make(RolloutStage, auto_ack=False)
+    app.producer.ack_topics.add("app-rollout-items-changelog")  # the stage waits for its items' acks
     await feed(stage, rollout_spans())
     await settle()
     markers = "app-rollout-markers-changelog"
@@ -168,8 +175,9 @@ async def test_rollout_with_no_task_id_is_dead_lettered() -> None:
     spans = [{**s, "task_id": None, "attributes": {}} for s in rollout_spans(with_root=False)]
     await feed(stage, spans)
     await stage.tick(1000.0 + stage.config.rollout_timeout_s)
-    letters = app.producer.to("u.dlq")
-    assert len(letters) == 1 and "cannot determine task_id" in CODEC.decode(letters[0][2])["reason"]
+    letters = [CODEC.decode(s[2], expect="DeadLetter") for s in app.producer.to("u.dlq")]
+    assert sorted(x["value"] for x in letters) == sorted(map(enc, spans)), "every span, whole"
+    assert all("cannot determine task_id" in x["reason"] for x in letters)
 
 
 async def test_rebuild_restores_open_rollouts_and_finishes_interrupted_cleanups() -> None:
