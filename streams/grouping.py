@@ -125,6 +125,7 @@ def build_training_batches(
     max_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     batch_id: str | None = None,
     created_ns: int = 0,
+    baseline: tuple[float, float] | None = None,
 ) -> list[TrainingBatch]:
     """The TrainingBatch part(s) of one GRPO group.
 
@@ -133,7 +134,8 @@ def build_training_batches(
     (pass False when the group timed out). Trajectories repeated with the same
     attempt id count once. ``reward_mean``/``reward_std`` are the baseline used
     for the advantages (over episode returns G_0, which equal the final rewards
-    when gamma = 1 and there are no intermediate rewards).
+    when gamma = 1 and there are no intermediate rewards); ``baseline`` replaces the
+    group's own (:func:`~boltstream.streams.credit.group_credit`).
     """
     if group_size < 1:
         raise ValueError(f"group_size: must be >= 1, got {group_size}")
@@ -144,7 +146,7 @@ def build_training_batches(
         unique.setdefault(trajectory["attempt_id"], trajectory)
     if not unique:
         raise ValueError(f"task {task_id!r}: no trajectories")
-    credit = group_credit(unique.values(), config)
+    credit = group_credit(unique.values(), config, baseline)
     rollout_ids = list(dict.fromkeys(t["rollout_id"] for t in unique.values()))
     batch_id = batch_id or batch_id_for(task_id, unique)
     if complete is None:

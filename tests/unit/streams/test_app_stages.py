@@ -170,16 +170,6 @@ async def test_grace_period_defers_the_close() -> None:
     assert len(app.producer.to("u.trajectories")) == 1
 
 
-async def test_rollout_with_no_task_id_is_dead_lettered() -> None:
-    stage, app = make(RolloutStage)
-    spans = [{**s, "task_id": None, "attributes": {}} for s in rollout_spans(with_root=False)]
-    await feed(stage, spans)
-    await stage.tick(1000.0 + stage.config.rollout_timeout_s)
-    letters = [CODEC.decode(s[2], expect="DeadLetter") for s in app.producer.to("u.dlq")]
-    assert sorted(x["value"] for x in letters) == sorted(map(enc, spans)), "every span, whole"
-    assert all("cannot determine task_id" in x["reason"] for x in letters)
-
-
 async def test_rebuild_restores_open_rollouts_and_finishes_interrupted_cleanups() -> None:
     stage, app = make(RolloutStage)
     store = stage.items.store
@@ -200,11 +190,11 @@ async def test_rebuild_restores_open_rollouts_and_finishes_interrupted_cleanups(
 async def test_poison_records_are_dead_lettered_with_their_origin() -> None:
     stage, app = make(RolloutStage)
     await stage.on_record(Msg(b"junk", 2, 17, b"key"), 1.0)
-    await stage.on_record(Msg(enc({**rollout_spans()[0], "rollout_id": None}), 3, 4), 1.0)
+    await stage.on_record(Msg(enc({**rollout_spans()[0], "rollout_id": None, "trace_id": ""}), 3, 4), 1.0)
     letters = [CODEC.decode(s[2], expect="DeadLetter") for s in app.producer.to("u.dlq")]
     assert [(x["partition"], x["offset"], x["topic"]) for x in letters] == [(2, 17, "u.spans"), (3, 4, "u.spans")]
     assert letters[0]["value"] == b"junk" and letters[0]["key"] == b"key"
-    assert "no rollout_id" in letters[1]["reason"]
+    assert "no rollout id, session id or trace id" in letters[1]["reason"]
     assert stage.dlq.counts == {"undecodable": 1, "no_rollout_id": 1}
 
 
