@@ -11,7 +11,9 @@ or in the rollout registry (a thread that lost its context) are not in the
 context's baggage, so nothing carried them and the worker's spans had no
 rollout. :class:`RolloutBaggagePropagator` adds them, by the same precedence
 as :class:`~boltstream.producers.rollout_processor.RolloutSpanProcessor`:
-baggage already in the context > the current rollout > the env defaults.
+baggage already in the context > the current rollout > the env defaults; with
+none of them, the session the context is in (``headers.session_of``: baggage or
+OpenInference's ``using_session``), so the worker's span is keyed like the agent's.
 
 :func:`install_rollout_propagator` wraps the global propagator once; the
 exporter calls it, so ``opentelemetry-instrument`` setups get it without code.
@@ -40,6 +42,7 @@ from opentelemetry.propagators.textmap import (
 
 from boltstream.schemas.records import ID_ATTRIBUTES, ROLLOUT_ID
 
+from .headers import session_of
 from .rollout_processor import current_rollout
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,12 @@ class RolloutBaggagePropagator(TextMapPropagator):
         if bag.get(ROLLOUT_ID):
             return {}  # the context says it all (and its baggage is injected below as is)
         owner = current_rollout()
-        return owner.ids if owner is not None else dict(self.defaults)
+        if owner is not None:
+            return owner.ids
+        if self.defaults:
+            return dict(self.defaults)
+        session = session_of(context)  # no rollout: the session keys the worker's span (records.rollout_key)
+        return dict([session]) if session else {}
 
     def inject(self, carrier: CarrierT, context: Context | None = None,
                setter: Setter[CarrierT] = DefaultSetter()) -> None:  # noqa: B008 (OTel's own signature)
