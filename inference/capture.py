@@ -29,11 +29,11 @@ from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
 from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers, session_from_headers
-from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID
+from boltstream.schemas.records import ATTEMPT_ID, INFERENCE_SCOPE, ROLLOUT_ID, TASK_ID
 
 log = logging.getLogger(__name__)
 
-SCOPE = "boltstream.inference"
+SCOPE = INFERENCE_SCOPE
 MAX_TEXT_ATTR = 32 * 1024  # message texts are for humans (Console); token ids are the training record
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 

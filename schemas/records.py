@@ -24,6 +24,9 @@ ID_ATTRIBUTES = (ROLLOUT_ID, ATTEMPT_ID, TASK_ID)
 # The same ids as Agent Lightning writes them; read as equivalents, never written.
 AGENTLIGHTNING_ID_ATTRIBUTES = ("agentlightning.rollout_id", "agentlightning.attempt_id", "agentlightning.task_id")
 
+# Instrumentation scope of the inference worker's LLM spans (the ones carrying token ids).
+INFERENCE_SCOPE = "boltstream.inference"
+
 # Root span outcome and the agent that made a call.
 STATUS = "boltstream.status"
 ERROR = "boltstream.error"

@@ -200,10 +200,10 @@ def is_rollout_root(span: Span) -> bool:
 def is_local_root(span: Span) -> bool:
     """True for a span with no parent that the agent wrote: the end of a trace seen from the agent.
 
-    The inference worker's LLM span (it carries the ``llm`` block) has no parent either when
-    the request had no ``traceparent``; it never ends a trace.
+    The inference worker's LLM span has no parent either when the request had no
+    ``traceparent``; it never ends a trace.
     """
-    return not span.get("parent_span_id") and span.get("llm") is None
+    return not span.get("parent_span_id") and (span.get("scope") or _EMPTY).get("name") != records.INFERENCE_SCOPE
 
 
 def is_final_reward(span: Span) -> bool:

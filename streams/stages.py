@@ -13,10 +13,18 @@ Rollout stage (spans topic, keyed by rollout id):
   or ``span_id``, a record over ``max_message_bytes - RECORD_HEADROOM`` (it
   could not be kept in the changelog, see schemas/records.py) -> dead letter,
   the worker goes on;
-* the ``boltstream.rollout`` root span sets the close time to now + ``grace_s``
-  (0: close at once); no root and no new span for ``rollout_timeout_s`` -> closed
-  as ``abandoned``;
-* a rollout the pure core cannot assemble (no task id anywhere) or must not
+* spans are accumulated by :func:`~boltstream.schemas.records.rollout_key`:
+  explicit rollout id > conversation/session id > trace id;
+* what closes a rollout (docs/zero-code.md): the ``boltstream.rollout`` root span
+  (the runner), or for a rollout keyed by its trace id the trace's local root span
+  (no parent, not the inference worker's), each after ``grace_s`` (0: at once);
+  otherwise no new span for ``session_idle_s`` (status ok). A rollout still
+  missing a referenced parent span (an enclosing span, e.g. the runner's root,
+  never ended) waits ``rollout_timeout_s`` instead and closes ``abandoned``;
+* a rollout without the runner's root that closes without a final reward is held
+  ``reward_timeout_s`` for one (delayed feedback: a reward span with its key);
+  it closes as soon as one arrives, else with none (``failure_reward`` applies);
+* a rollout the pure core cannot assemble (no rollout id) or must not
   train on (a non-finite reward, bad behaviour logprobs, negative or inverted
   span times: streams/validate.py), or whose trajectory cannot be encoded or
   sent (too large) -> every one of its spans is dead-lettered with the reason.
@@ -26,11 +34,14 @@ chunk) is dead-lettered whole before the batch is acknowledged, and the other
 keys of the batch are kept (streams/accumulator.py).
 
 Group stage (trajectories topic, keyed by task id, so all attempts of a task
-meet on one partition): a group is one task's attempts within one run
+meet on one partition; a task-less trajectory by its prompt fingerprint,
+streams/baselines.py): a group is one task's attempts within one run
 (:func:`~boltstream.streams.grouping.group_key`: a ``--run-id`` second pass
 forms its own groups); it closes when ``group_size`` distinct attempts
 are there, or ``group_timeout_s`` after its first trajectory (then
-``complete=False``); a trajectory for an already emitted group is late and dropped.
+``complete=False``); a task-less group closes after ``prompt_window_s`` and, when
+it holds one trajectory, gets its agent's running-mean baseline; a trajectory
+for an already emitted group is late and dropped.
 A trajectory with a non-finite reward or bad logprobs (written by an older
 worker or by hand) is dead-lettered alone, so its group closes without it.
 """
@@ -171,8 +182,12 @@ class RolloutStage(_Stage):
 
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
         state = entry.state
-        if item.get("attempt_id"):
-            state["managed"] = True  # the runner (or env ids) named the attempt: its root span is expected
+        # Parents referenced but not seen: an enclosing span (the runner's root) has not ended yet.
+        waiting = state.setdefault("waiting", set())
+        waiting.discard(item["span_id"])
+        parent = item.get("parent_span_id")
+        if parent and parent not in entry.items:
+            waiting.add(parent)
         if is_final_reward(item):
             state["rewarded"] = True
             if state.get("held"):
@@ -183,7 +198,7 @@ class RolloutStage(_Stage):
             entry.due = now + self.config.grace_s
 
     def expired(self, entry: Entry, now: float) -> bool:
-        limit = self.config.rollout_timeout_s if entry.state.get("managed") else self.config.session_idle_s
+        limit = self.config.rollout_timeout_s if entry.state.get("waiting") else self.config.session_idle_s
         return now - entry.last_seen >= limit
 
     def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
@@ -198,10 +213,9 @@ class RolloutStage(_Stage):
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
         overrides: dict[str, str] = {}
-        managed = entry.state.get("managed", False)
-        if (timed_out or entry.state.get("timed_out")) and managed:
+        if (timed_out or entry.state.get("timed_out")) and entry.state.get("waiting"):
             overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}
-        elif not managed and not entry.state.get("root"):
+        elif not entry.state.get("root"):
             overrides = {"status": "ok"}  # a session or trace: its end (local root, idleness) is its normal close
         try:
             trajectory, stats = assemble_trajectory_with_stats(

@@ -42,6 +42,28 @@ async def test_a_trace_closes_when_its_local_root_ends_and_is_keyed_by_its_trace
     assert stage.app.producer.to("u.trajectories")[0][1] == f"prompt:{prompt_fingerprint(traj)}".encode()
 
 
+async def test_the_workers_span_without_traceparent_never_closes_a_trace() -> None:
+    stage = staged({"reward_timeout_s": 0})
+    floating = {**trace_spans()[0], "parent_span_id": None}
+    await feed(stage, [floating])
+    await settle()
+    assert not trajectories(stage) and stage.open
+
+
+async def test_env_ids_without_a_runner_close_after_session_idle_s_as_ok() -> None:
+    stage = staged({"session_idle_s": 5, "reward_timeout_s": 0})
+    ids = {"rollout_id": "ro-env", "attempt_id": "q7:0", "task_id": "q7"}
+    await feed(stage, [{**s, **ids} for s in trace_spans()], now=1000.0)  # two complete traces of one rollout
+    second = [{**s, **ids, "trace_id": "e" * 32, "span_id": "2" + s["span_id"],
+               "parent_span_id": s["parent_span_id"] and "2" + s["parent_span_id"]} for s in trace_spans()]
+    await feed(stage, second, now=1001.0)
+    await stage.tick(1005.9)
+    assert not trajectories(stage)
+    await stage.tick(1006.0)
+    (traj,) = trajectories(stage)
+    assert (traj["rollout_id"], traj["task_id"], traj["status"], len(traj["turns"])) == ("ro-env", "q7", "ok", 2)
+
+
 async def test_without_a_reward_it_is_held_and_a_late_reward_closes_it_at_once() -> None:
     stage = staged({"reward_timeout_s": 30})
     await feed(stage, trace_spans(), now=1000.0)
