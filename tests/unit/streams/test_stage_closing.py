@@ -55,6 +55,7 @@ async def test_env_ids_without_a_runner_close_after_session_idle_s_as_ok() -> No
     ids = {"rollout_id": "ro-env", "attempt_id": "q7:0", "task_id": "q7"}
     await feed(stage, [{**s, **ids} for s in trace_spans()], now=1000.0)  # two complete traces of one rollout
     second = [{**s, **ids, "trace_id": "e" * 32, "span_id": "2" + s["span_id"],
+               "start_time_ns": s["start_time_ns"] + 100, "end_time_ns": s["end_time_ns"] + 100,
                "parent_span_id": s["parent_span_id"] and "2" + s["parent_span_id"]} for s in trace_spans()]
     await feed(stage, second, now=1001.0)
     await stage.tick(1005.9)
