@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from boltstream.config import Settings
 from boltstream.inference.launch import WorkerProcess
+from tests.integration.streams.stream_helpers import WORKER_ENV
+from tests.integration.streams.stream_helpers import WorkerProcess as StreamWorker
 
 # Run the launcher's script with this interpreter: in a normal install that is what its
 # shebang says; here a worktree's venv may be a copy whose shebangs name another venv.
@@ -75,3 +78,48 @@ def test_readme_line_trains_a_plain_openai_agent(settings: Settings, settings_en
         assert caller is not None, (call["parent_span_id"], sorted(by_span_id))
         assert call["trace_id"] == caller["trace_id"]
         assert call["llm"]["response_token_ids"], call["llm"]
+
+
+def run_agent(env: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text(PLAIN_AGENT)
+    proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stdout.strip() == "turns 2", proc.stderr[-3000:]
+
+
+def test_a_runnerless_agent_becomes_one_trajectory_and_reaches_batches(
+        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any, boltstream_cmd: list[str]) -> None:
+    """No runner, no task: the env's rollout id names the rollout; it closes after ``session_idle_s``, waits
+    ``reward_timeout_s`` for a reward that never comes, and its task-less group gets the agent baseline."""
+    stream_env = {**settings_env, **WORKER_ENV, "BOLTSTREAM_STREAM_SESSION_IDLE_S": "1",
+                  "BOLTSTREAM_STREAM_REWARD_TIMEOUT_S": "1", "BOLTSTREAM_STREAM_PROMPT_WINDOW_S": "1"}
+    stream = StreamWorker([*boltstream_cmd, "stream", "worker", "--app-id", f"{settings.namespace}zc-{uuid.uuid4().hex[:6]}"],
+                          stream_env, tmp_path / "stream.log")
+    worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"], env=settings_env,
+                           log_path=tmp_path / "worker.log")
+    try:
+        worker.start(90)
+        env = {k: v for k, v in settings_env.items() if not k.startswith(("OTEL_", "OPENINFERENCE_"))}
+        env.update(OTEL_TRACES_EXPORTER="boltstream", AGENT_BASE_URL=f"{worker.url}/v1",
+                   BOLTSTREAM_ROLLOUT_ID="ro-zero-2")
+        run_agent(env, tmp_path)
+        trajectories = helpers.read_topic(settings, "trajectories", "Trajectory", count=1, timeout=90)
+        batches = helpers.read_topic(settings, "batches", "TrainingBatch", count=1, timeout=30)
+        spans = helpers.read_topic(settings, "spans", "Span", to_end=True, timeout=30)
+    finally:
+        worker.stop()
+        assert stream.stop() in (0, -15), stream.log_tail()
+    assert len(trajectories) == 1, stream.log_tail()
+    key, traj = trajectories[0][1], trajectories[0][2]
+    assert (traj["rollout_id"], traj["task_id"], traj["status"], traj["final_reward"]) == ("ro-zero-2", "", "ok", None)
+    served = {r["span_id"]: r for _, _, r in spans if r["resource"].get("service.name") == "boltstream-inference"}
+    assert len(served) == 2 and [t["span_id"] in served for t in traj["turns"]] == [True, True], traj["dropped_calls"]
+    for turn in traj["turns"]:
+        llm = served[turn["span_id"]]["llm"]
+        assert turn["prompt_token_ids"] == llm["prompt_token_ids"] and turn["response_token_ids"]
+        assert turn["response_logprobs"] == llm["response_logprobs"]
+        assert len(turn["response_logprobs"]) == len(turn["response_token_ids"])
+    assert key.startswith(b"prompt:")  # task-less: grouped by the first prompt's fingerprint
+    (batch,) = [b for _, _, b in batches]
+    assert {s["rollout_id"] for s in batch["samples"]} == {"ro-zero-2"} and batch["complete"]
+    assert all(s["advantage"] == 0.0 for s in batch["samples"])  # no peers, no history yet: advantage 0
