@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,26 +181,31 @@ def _same_trace(a: Span, b: Span) -> bool:
     return a.get("trace_id") == b.get("trace_id")
 
 
+def _by_duration(ids: Iterable[str], unique: Mapping[str, Span]) -> list[tuple[int, int, int, str]]:
+    """(duration, start, end, id) sorted tightest first, ties to the later start (the :func:`_tightest` order)."""
+    rows = []
+    for cid in ids:
+        start, end = unique[cid].get("start_time_ns", 0), unique[cid].get("end_time_ns", 0)
+        rows.append((end - start, start, end, cid))
+    rows.sort(key=lambda r: (r[0], -r[1], r[3]))
+    return rows
+
+
 def _tightest(sid: str, unique: Mapping[str, Span], parent_of: Mapping[str, str | None],
-              candidates: Iterable[str], *, strict: bool) -> str | None:
-    """The candidate of ``sid``'s trace with the shortest span containing ``sid`` in time (not in its subtree).
+              candidates: Sequence[tuple[int, int, int, str]], *, strict: bool) -> str | None:
+    """The first of ``candidates`` (:func:`_by_duration` order) of ``sid``'s trace containing it in time,
+    outside its subtree: the shortest such span.
 
     ``strict``: the container must be longer than ``sid`` (Agent Lightning's rule, so two
     spans of equal times never adopt each other).
     """
     span = unique[sid]
-    best: tuple[int, int, str] | None = None
-    for cid in candidates:
-        candidate = unique[cid]
-        if cid == sid or not _same_trace(candidate, span) or not _contains(candidate, span):
-            continue
-        duration = candidate.get("end_time_ns", 0) - candidate.get("start_time_ns", 0)
-        if strict and duration <= span.get("end_time_ns", 0) - span.get("start_time_ns", 0):
-            continue
-        key = (duration, -candidate.get("start_time_ns", 0), cid)
-        if (best is None or key < best) and not _is_descendant(cid, sid, parent_of):
-            best = key
-    return None if best is None else best[2]
+    start, end, trace_id = span.get("start_time_ns", 0), span.get("end_time_ns", 0), span.get("trace_id")
+    for duration, c_start, c_end, cid in candidates:
+        if (c_start <= start and c_end >= end and cid != sid and (not strict or duration > end - start)
+                and unique[cid].get("trace_id") == trace_id and not _is_descendant(cid, sid, parent_of)):
+            return cid
+    return None
 
 
 def _repair_root_children(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
@@ -224,9 +229,15 @@ def _repair_root_children(unique: Mapping[str, Span], parent_of: dict[str, str |
         children = kids.get(level, [])
         if len(children) < 2:
             continue
-        subtree = [sid for sid in unique if sid != level and _is_descendant(sid, level, parent_of)]
+        subtree: list[str] = []
+        stack = list(children)
+        while stack:
+            current = stack.pop()
+            subtree.append(current)
+            stack.extend(kids.get(current, ()))
+        candidates = _by_duration(subtree, unique)
         for sid in sorted(children, key=lambda c: (unique[c].get("start_time_ns", 0), c)):
-            best = _tightest(sid, unique, parent_of, subtree, strict=True)
+            best = _tightest(sid, unique, parent_of, candidates, strict=True)
             if best is not None:
                 parent_of[sid] = best
                 moved.append(sid)
@@ -246,11 +257,12 @@ def _attach_to_wrappers(unique: Mapping[str, Span], parent_of: dict[str, str | N
     if not tokenless:
         return []
     llm_ids = {sid for sid, s in unique.items() if is_llm_span(s)}
+    candidates = _by_duration(tokenless, unique)
     moved: list[str] = []
     for sid, span in unique.items():
         if not has_token_ids(span) or any(a in llm_ids for a in _ancestors(sid, parent_of)):
             continue
-        best = _tightest(sid, unique, parent_of, tokenless, strict=False)
+        best = _tightest(sid, unique, parent_of, candidates, strict=False)
         if best is not None:
             parent_of[sid] = best
             moved.append(sid)
