@@ -11,7 +11,9 @@ Steps:
 2. Build the span tree. A span whose parent is absent is a root; several roots
    hang under a virtual root (``VIRTUAL_ROOT_ID``). An LLM span whose parent is
    absent ("floating": e.g. the inference worker got no ``traceparent``) is moved
-   under the tightest span that contains it in time, or under the only other root.
+   under the tightest span that contains it in time, or under the only other root;
+   so is a root whose subtree holds a worker call (an HTTP client span that
+   began a trace of its own) when another span strictly contains it.
    Two more time-containment repairs (same trace only): a child of the root is
    moved under the tightest other span that strictly contains it (Agent
    Lightning's ``repair_hierarchy``: an AgentOps LLM span parented to the session
@@ -192,7 +194,8 @@ def _by_duration(ids: Iterable[str], unique: Mapping[str, Span]) -> list[tuple[i
 
 
 def _tightest(sid: str, unique: Mapping[str, Span], parent_of: Mapping[str, str | None],
-              candidates: Sequence[tuple[int, int, int, str]], *, strict: bool) -> str | None:
+              candidates: Sequence[tuple[int, int, int, str]], *, strict: bool,
+              any_trace: bool = False) -> str | None:
     """The first of ``candidates`` (:func:`_by_duration` order) of ``sid``'s trace containing it in time,
     outside its subtree: the shortest such span.
 
@@ -203,9 +206,40 @@ def _tightest(sid: str, unique: Mapping[str, Span], parent_of: Mapping[str, str 
     start, end, trace_id = span.get("start_time_ns", 0), span.get("end_time_ns", 0), span.get("trace_id")
     for duration, c_start, c_end, cid in candidates:
         if (c_start <= start and c_end >= end and cid != sid and (not strict or duration > end - start)
-                and unique[cid].get("trace_id") == trace_id and not _is_descendant(cid, sid, parent_of)):
+                and (any_trace or unique[cid].get("trace_id") == trace_id)
+                and not _is_descendant(cid, sid, parent_of)):
             return cid
     return None
+
+
+def _adopt_floating_calls(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
+    """Move a root whose subtree holds a worker call under the tightest span that strictly contains it.
+
+    Why: an HTTP client span started while no span was current (LangChain's callbacks never
+    make their LLM span current) begins a trace of its own, with the worker's call under it.
+    In a rollout named by an id or session, times say which agent-side call it served.
+    """
+    roots = {sid for sid, parent in parent_of.items() if parent is None}
+    if len(roots) < 2:
+        return []
+    carrying = set()
+    for sid, span in unique.items():
+        if has_token_ids(span):
+            top = sid
+            while (up := parent_of.get(top)) is not None:
+                top = up
+            if not is_llm_span(unique[top]):  # a floating LLM span was placed already
+                carrying.add(top)
+    if not carrying:
+        return []
+    candidates = _by_duration(unique, unique)
+    moved: list[str] = []
+    for sid in sorted(carrying, key=lambda c: (unique[c].get("start_time_ns", 0), c)):
+        best = _tightest(sid, unique, parent_of, candidates, strict=True, any_trace=True)
+        if best is not None:
+            parent_of[sid] = best
+            moved.append(sid)
+    return moved
 
 
 def _repair_root_children(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
@@ -316,6 +350,7 @@ def build_span_tree(spans: Iterable[Span], *, reparent_floating_llm: bool = True
                 reparented.append(sid)
 
     if reparent_floating_llm:
+        reparented += _adopt_floating_calls(unique, parent_of)
         reparented += _repair_root_children(unique, parent_of)
         reparented += _attach_to_wrappers(unique, parent_of)
 

@@ -70,12 +70,22 @@ def test_every_worker_call_inherits_its_langgraph_node(http_under_chain: bool) -
     assert (names["w1"], names["w2"]) == ("sql_writer", "answerer")
 
 
-def test_wrapper_by_containment_needs_the_same_trace() -> None:
-    other = "f" * 32  # h2 -> w2 recorded in an unrelated trace: times alone never join traces
+def test_an_http_span_that_began_its_own_trace_is_adopted_by_the_call_containing_it() -> None:
+    """Run standalone, nothing is current when LangChain calls the model: each HTTP client span begins a trace
+    of its own (the rollout is named by env ids or a session). Strict containment still places it."""
+    other = "f" * 32
     spans = [{**s, "trace_id": other, "parent_span_id": None if s["span_id"] == "h2" else s["parent_span_id"]}
              if s["span_id"] in ("h2", "w2") else s for s in _sql_trace()]
+    traj = assemble_trajectory_with_stats(spans, AssemblyConfig(air_rules=(), agent_match="^answerer$"))[0]
+    assert [t["span_id"] for t in traj["turns"]] == ["w2"] and traj["dropped_calls"] == []
     tree = build_span_tree(spans)
-    assert tree.parent_of["w2"] == "h2" and "lc1" in tree.ancestors("w1")
+    assert tree.parent_of["h2"] == "lc2"
+
+
+def test_the_outermost_root_is_never_moved() -> None:
+    spans = [span("root", parent=None, start=0, end=10), llm_span("w", [1], [2], start=2, end=3, parent="root"),
+             span("other", parent=None, start=0, end=10)]  # equal times: not strictly containing
+    assert build_span_tree(spans).parent_of["root"] != "other"
 
 
 def _agentops(**ids: Any) -> list[dict[str, Any]]:
