@@ -9,7 +9,8 @@ response (the producer lingers at most a few ms).
 
 Rollout ids come from the request (``X-Boltstream-*`` headers, W3C baggage,
 or a ``/rollout/<rollout>/<attempt>/<task>/v1`` base URL); requests without
-them are still traced, keyed by their trace id ("unassigned").
+them are still traced, keyed by the session id in their baggage, else by their
+trace id (``records.rollout_key``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
-from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers
-from boltstream.schemas.records import ATTEMPT_ID, ROLLOUT_ID, TASK_ID
+from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers, session_from_headers
+from boltstream.schemas.records import ATTEMPT_ID, INFERENCE_SCOPE, ROLLOUT_ID, TASK_ID
 
 log = logging.getLogger(__name__)
 
-SCOPE = "boltstream.inference"
+SCOPE = INFERENCE_SCOPE
 MAX_TEXT_ATTR = 32 * 1024  # message texts are for humans (Console); token ids are the training record
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 
@@ -56,6 +57,8 @@ class CallContext:
 
         ids = {k: v for k, v in ids_from_headers(headers).items() if v and v not in ("-", "~")}
         ids.update({k: v for k, v in (path_ids or {}).items() if v and v not in ("-", "~")})
+        if ROLLOUT_ID not in ids:  # no explicit rollout: the caller's session (baggage) keys the span
+            ids.update(session_from_headers(headers))
         trace_id, parent = secrets.token_hex(16), None
         m = _TRACEPARENT.match((headers.get("traceparent") or "").strip().lower())
         if m and m.group(1) != "0" * 32 and m.group(2) != "0" * 16:

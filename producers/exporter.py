@@ -44,8 +44,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
+from boltstream.schemas import records
 
 from .normalise import SpanNormaliser
+from .propagation import install_rollout_propagator
 from .rollout_processor import install_rollout_processor
 from .sender import Counters, Encoded, KafkaSender, SpanBuffer
 from .span_encoder import SpanRecordEncoder
@@ -63,6 +65,12 @@ class RolloutDefaults:
     rollout_id: str | None = None
     attempt_id: str | None = None
     task_id: str | None = None
+
+    @property
+    def ids(self) -> dict[str, str]:
+        """The ids that are set, under their span attribute names."""
+        values = (self.rollout_id, self.attempt_id, self.task_id)
+        return {k: v for k, v in zip(records.ID_ATTRIBUTES, values, strict=True) if v}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +166,9 @@ class KafkaSpanExporter(SpanExporter):
         self._stopped = False
         self._encoder: Any = None
         self._spool: Spool | None = None
-        if config.install_rollout_processor:
+        if config.install_rollout_processor:  # and the propagator: the worker must see the same ids
             install_rollout_processor()
+            install_rollout_propagator(config.defaults.ids)
         if spool_directory(config.spool_dir, self.topic) is not None:
             self._ensure_thread()  # a previous run's spool is delivered now, not at the first span
         if hasattr(os, "register_at_fork"):  # weakly: a fork hook must not keep exporters alive

@@ -34,6 +34,7 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from boltstream.schemas.records import ID_ATTRIBUTES as ID_KEYS
+from boltstream.schemas.records import SESSION_ATTRIBUTES
 
 if TYPE_CHECKING:
     from .context import RolloutContext
@@ -68,6 +69,28 @@ def headers_for(ctx: RolloutContext) -> dict[str, str]:
     _BAGGAGE.inject(carrier, context=octx)
     headers.update(carrier)
     return headers
+
+
+def session_of(context: otel_context.Context | None = None) -> tuple[str, str] | None:
+    """(attribute, value) of the conversation/session a context is in, or None.
+
+    Baggage first (``gen_ai.conversation.id``, ``session.id``: what crosses processes), then
+    OpenInference's ``using_session`` context value. Why: with no explicit rollout id the
+    session IS the rollout (:func:`~boltstream.schemas.records.rollout_key`), so the agent's
+    spans and the worker's must all carry it.
+    """
+    for name in SESSION_ATTRIBUTES:
+        value = baggage.get_baggage(name, context)
+        if value:
+            return name, str(value)
+    value = otel_context.get_value(SESSION_ATTRIBUTES[-1], context)
+    return (SESSION_ATTRIBUTES[-1], value) if isinstance(value, str) and value else None
+
+
+def session_from_headers(headers: Any) -> dict[str, str]:
+    """The worker's side of :func:`session_of`: ``{attribute: session id}`` from a request's W3C baggage."""
+    found = session_of(_BAGGAGE.extract({k.lower(): v for k, v in dict(headers).items()}))
+    return dict([found]) if found else {}
 
 
 def ids_from_headers(headers: Any) -> dict[str, str]:

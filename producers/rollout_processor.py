@@ -32,6 +32,8 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from boltstream.schemas import records
 
+from .headers import session_of
+
 if TYPE_CHECKING:
     from .context import RolloutContext
 
@@ -86,10 +88,21 @@ class RolloutSpanProcessor(SpanProcessor):
                         active = active_rollouts()
                         owner = active[0] if len(active) == 1 else None
                     ids = owner.ids if owner is not None else None
+            if not ids:
+                ids = self._session(span, inner, parent_context)
             if ids:
                 self._stamp(span, bounded, inner, ids)
         except Exception:  # a processor must never break the app's span
             log.debug("RolloutSpanProcessor.on_start failed", exc_info=True)
+
+    @staticmethod
+    def _session(span: Any, inner: Any, parent_context: Context | None) -> dict[str, str] | None:
+        """No rollout: the session the span runs in (records.rollout_key keys it by that)."""
+        attrs = inner if inner is not None else (span.attributes or {})
+        if any(name in attrs for name in records.SESSION_ATTRIBUTES):
+            return None
+        session = session_of(parent_context)
+        return dict([session]) if session else None
 
     @staticmethod
     def _stamp(span: Any, bounded: Any, inner: Any, ids: dict[str, str]) -> None:

@@ -24,6 +24,9 @@ ID_ATTRIBUTES = (ROLLOUT_ID, ATTEMPT_ID, TASK_ID)
 # The same ids as Agent Lightning writes them; read as equivalents, never written.
 AGENTLIGHTNING_ID_ATTRIBUTES = ("agentlightning.rollout_id", "agentlightning.attempt_id", "agentlightning.task_id")
 
+# Instrumentation scope of the inference worker's LLM spans (the ones carrying token ids).
+INFERENCE_SCOPE = "boltstream.inference"
+
 # Root span outcome and the agent that made a call.
 STATUS = "boltstream.status"
 ERROR = "boltstream.error"
@@ -48,13 +51,35 @@ TRUNCATED_FIELDS = "boltstream.truncated.fields"
 RECORD_HEADROOM = 4096
 
 
+# What one rollout is, when nothing names it explicitly: a conversation / session id (OTel GenAI,
+# then OpenInference), in a span's attributes or, across processes, in W3C baggage.
+SESSION_ATTRIBUTES = ("gen_ai.conversation.id", "session.id")
+
+
+def rollout_key(span: Mapping[str, Any]) -> str:
+    """What one rollout is (docs/zero-code.md): explicit rollout id > conversation/session id > trace id.
+
+    Why one function: producers key the ``spans`` topic by it and the stream app accumulates
+    by it, so the agent's spans and the inference worker's meet in one partition and one entry.
+    """
+    rollout_id = span.get("rollout_id")
+    if rollout_id:
+        return str(rollout_id)
+    attrs = span.get("attributes") or {}
+    for name in SESSION_ATTRIBUTES:
+        value = attrs.get(name)
+        if isinstance(value, str) and value.strip():
+            return value
+    return str(span.get("trace_id") or "")
+
+
 def span_key(span: Mapping[str, Any]) -> bytes:
-    """The ``spans`` topic key: the rollout id, else the trace id (design.md, "Topics").
+    """The ``spans`` topic key: :func:`rollout_key` (design.md, "Topics").
 
     Every span of a rollout lands in one partition, in the order it was produced: the
     stream app's completeness rule (LLM spans before the root span) depends on it.
     """
-    return str(span.get("rollout_id") or span["trace_id"]).encode("utf-8")
+    return rollout_key(span).encode("utf-8")
 
 
 # Dead letters (schemas/dead_letter/v1.avsc). The reason is for a human reading the DLQ; an

@@ -45,6 +45,7 @@ from .grouping import (
     build_training_batches,
     estimate_batch_overhead,
     estimate_sample_bytes,
+    group_key,
     split_samples,
 )
 from .settings import AssemblyConfig, CreditConfig
@@ -86,6 +87,7 @@ __all__ = [
     "build_training_batches",
     "dedupe_spans",
     "discounted_returns",
+    "group_key",
     "estimate_batch_overhead",
     "estimate_sample_bytes",
     "evaluate_air",

@@ -86,6 +86,7 @@ class Entry:
     closing: bool = False
     chunks: set[bytes] = field(default_factory=set)  # table keys holding this entry's items
     unsaved: list[Staged] = field(default_factory=list)  # items staged but not yet in the table
+    state: dict[str, Any] = field(default_factory=dict)  # what a stage derives from the items (rebuilt with them)
 
 
 class Accumulator:
@@ -121,6 +122,10 @@ class Accumulator:
 
     def expired(self, entry: Entry, now: float) -> bool:
         raise NotImplementedError
+
+    def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
+        """True to keep an entry that is due (or expired) open a while longer; it must then set ``entry.due``."""
+        return False
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
         raise NotImplementedError
@@ -226,11 +231,13 @@ class Accumulator:
         """Emit the entry's outputs; marker and cleanup follow once the broker acked them."""
         await self.close_all([(entry, timed_out)])
 
-    async def close_all(self, closing: Sequence[tuple[Entry, bool]]) -> None:
-        """Emit the outputs of several (entry, timed_out); one task finishes them all once acked."""
+    async def close_all(self, closing: Sequence[tuple[Entry, bool]], now: float | None = None) -> None:
+        """Emit the outputs of several (entry, timed_out) unless :meth:`hold` keeps them open; one task
+        finishes them all once acked."""
+        now = time.time() if now is None else now
         sent = []
         for entry, timed_out in closing:
-            if entry.closing:
+            if entry.closing or self.hold(entry, timed_out, now):
                 continue
             sent.append((entry, await self._send_outputs(entry, timed_out), timed_out))
         if sent:
@@ -311,7 +318,7 @@ class Accumulator:
             elif entry.due is None and self.expired(entry, now):
                 closing.append((entry, True))
         if closing:
-            await self.close_all(closing)
+            await self.close_all(closing, now)
         while self._forget and self._forget[0][0] + self.forget_after_s <= now:
             _, partition, marker_key = self._forget.popleft()
             if partition in self.active and marker_key in self.markers:

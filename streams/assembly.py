@@ -11,7 +11,17 @@ Steps:
 2. Build the span tree. A span whose parent is absent is a root; several roots
    hang under a virtual root (``VIRTUAL_ROOT_ID``). An LLM span whose parent is
    absent ("floating": e.g. the inference worker got no ``traceparent``) is moved
-   under the tightest span that contains it in time, or under the only other root.
+   under the tightest span that contains it in time, or under the only other root;
+   so is a root whose subtree holds a worker call (an HTTP client span that
+   began a trace of its own) when another span strictly contains it.
+   Two more time-containment repairs (same trace only): a child of the root is
+   moved under the tightest other span that strictly contains it (Agent
+   Lightning's ``repair_hierarchy``: an AgentOps LLM span parented to the session
+   but run inside an agent span), and a token-carrying LLM span with no LLM
+   ancestor goes under the tightest token-less LLM span containing it (the
+   agent's view of the same call, e.g. LangChain's span when the worker's span
+   hangs off a sibling HTTP client span). Both then follow from the tree: the
+   wrapper rule below and agent-name inheritance.
 3. LLM calls = LLM spans, minus client-side wrappers (an LLM span without token
    ids whose subtree holds an LLM span with token ids: the same call seen from the
    agent), ordered by start time; of two calls with identical prompt and response
@@ -33,7 +43,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +71,13 @@ logger = logging.getLogger(__name__)
 Trajectory = dict[str, Any]
 VIRTUAL_ROOT_ID = "virtual-root"
 TRAJECTORY_STATUSES = ("ok", "failed", "timeout", "abandoned")
+# The task id of a rollout that names none (production traffic, a session): not an error; the group
+# stage then groups it by prompt fingerprint or gives it a per-agent baseline (streams/baselines.py).
+NO_TASK = ""
 
 
 class AssemblyError(ValueError):
-    """The spans cannot form a trajectory (no spans, or no rollout/task id): send them to the DLQ."""
+    """The spans cannot form a trajectory (no spans, or no rollout id): send them to the DLQ."""
 
 
 class InvalidRollout(AssemblyError):
@@ -166,6 +179,139 @@ def _break_cycles(parent_of: dict[str, str | None]) -> None:
             state[span_id] = 2
 
 
+def _same_trace(a: Span, b: Span) -> bool:
+    return a.get("trace_id") == b.get("trace_id")
+
+
+def _by_duration(ids: Iterable[str], unique: Mapping[str, Span]) -> list[tuple[int, int, int, str]]:
+    """(duration, start, end, id) sorted tightest first, ties to the later start (the :func:`_tightest` order)."""
+    rows = []
+    for cid in ids:
+        start, end = unique[cid].get("start_time_ns", 0), unique[cid].get("end_time_ns", 0)
+        rows.append((end - start, start, end, cid))
+    rows.sort(key=lambda r: (r[0], -r[1], r[3]))
+    return rows
+
+
+def _tightest(sid: str, unique: Mapping[str, Span], parent_of: Mapping[str, str | None],
+              candidates: Sequence[tuple[int, int, int, str]], *, strict: bool,
+              any_trace: bool = False) -> str | None:
+    """The first of ``candidates`` (:func:`_by_duration` order) of ``sid``'s trace containing it in time,
+    outside its subtree: the shortest such span.
+
+    ``strict``: the container must be longer than ``sid`` (Agent Lightning's rule, so two
+    spans of equal times never adopt each other).
+    """
+    span = unique[sid]
+    start, end, trace_id = span.get("start_time_ns", 0), span.get("end_time_ns", 0), span.get("trace_id")
+    for duration, c_start, c_end, cid in candidates:
+        if (c_start <= start and c_end >= end and cid != sid and (not strict or duration > end - start)
+                and (any_trace or unique[cid].get("trace_id") == trace_id)
+                and not _is_descendant(cid, sid, parent_of)):
+            return cid
+    return None
+
+
+def _adopt_floating_calls(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
+    """Move a root whose subtree holds a worker call under the tightest span that strictly contains it.
+
+    Why: an HTTP client span started while no span was current (LangChain's callbacks never
+    make their LLM span current) begins a trace of its own, with the worker's call under it.
+    In a rollout named by an id or session, times say which agent-side call it served.
+    """
+    roots = {sid for sid, parent in parent_of.items() if parent is None}
+    if len(roots) < 2:
+        return []
+    carrying = set()
+    for sid, span in unique.items():
+        if has_token_ids(span):
+            top = sid
+            while (up := parent_of.get(top)) is not None:
+                top = up
+            if not is_llm_span(unique[top]):  # a floating LLM span was placed already
+                carrying.add(top)
+    if not carrying:
+        return []
+    candidates = _by_duration(unique, unique)
+    moved: list[str] = []
+    for sid in sorted(carrying, key=lambda c: (unique[c].get("start_time_ns", 0), c)):
+        best = _tightest(sid, unique, parent_of, candidates, strict=True, any_trace=True)
+        if best is not None:
+            parent_of[sid] = best
+            moved.append(sid)
+    return moved
+
+
+def _repair_root_children(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
+    """Move a root's children under the tightest other span of the trace that contains them in time.
+
+    Why: mixed tracing systems (AgentOps' decorators next to its LLM instrumentation, an
+    HTTP client span whose LangChain caller never became the current span) hang spans
+    off the session root although they ran inside an agent or LLM span. Agent Lightning's
+    adapter repairs the same way (``TraceTree.repair_hierarchy``): a root with a single
+    child is a session wrapper, so the repair applies to the first level with several.
+    """
+    kids: dict[str, list[str]] = {}
+    for sid, parent in parent_of.items():
+        if parent is not None:
+            kids.setdefault(parent, []).append(sid)
+    moved: list[str] = []
+    for root in [sid for sid, parent in parent_of.items() if parent is None]:
+        level = root
+        while len(kids.get(level, ())) == 1:
+            level = kids[level][0]
+        children = kids.get(level, [])
+        if len(children) < 2:
+            continue
+        subtree: list[str] = []
+        stack = list(children)
+        while stack:
+            current = stack.pop()
+            subtree.append(current)
+            stack.extend(kids.get(current, ()))
+        candidates = _by_duration(subtree, unique)
+        for sid in sorted(children, key=lambda c: (unique[c].get("start_time_ns", 0), c)):
+            best = _tightest(sid, unique, parent_of, candidates, strict=True)
+            if best is not None:
+                parent_of[sid] = best
+                moved.append(sid)
+    return moved
+
+
+def _attach_to_wrappers(unique: Mapping[str, Span], parent_of: dict[str, str | None]) -> list[str]:
+    """Put each token-carrying LLM span with no LLM ancestor under the tightest token-less LLM span containing it.
+
+    Why: the agent's client-side LLM span (OpenInference's LangChain span, the OpenAI SDK's)
+    and the worker's span are the same call seen twice; with HTTP instrumentation the
+    worker's span hangs off the HTTP client span, which LangChain's callbacks leave a
+    SIBLING of their LLM span. Containment in time (same trace) says which call it was,
+    so the client span is recognised as a wrapper and its agent name reaches the call.
+    """
+    tokenless = [sid for sid, s in unique.items() if is_llm_span(s) and not has_token_ids(s)]
+    if not tokenless:
+        return []
+    llm_ids = {sid for sid, s in unique.items() if is_llm_span(s)}
+    candidates = _by_duration(tokenless, unique)
+    moved: list[str] = []
+    for sid, span in unique.items():
+        if not has_token_ids(span) or any(a in llm_ids for a in _ancestors(sid, parent_of)):
+            continue
+        best = _tightest(sid, unique, parent_of, candidates, strict=False)
+        if best is not None:
+            parent_of[sid] = best
+            moved.append(sid)
+    return moved
+
+
+def _ancestors(sid: str, parent_of: Mapping[str, str | None]) -> list[str]:
+    out: list[str] = []
+    current = parent_of.get(sid)
+    while current is not None and current not in out:
+        out.append(current)
+        current = parent_of.get(current)
+    return out
+
+
 def build_span_tree(spans: Iterable[Span], *, reparent_floating_llm: bool = True) -> SpanTree:
     """Dedupe ``spans`` and build their tree (virtual root, floating-LLM repair)."""
     unique, duplicates = dedupe_spans(spans)
@@ -203,6 +349,11 @@ def build_span_tree(spans: Iterable[Span], *, reparent_floating_llm: bool = True
                 parent_of[sid] = other_roots[0]
                 reparented.append(sid)
 
+    if reparent_floating_llm:
+        reparented += _adopt_floating_calls(unique, parent_of)
+        reparented += _repair_root_children(unique, parent_of)
+        reparented += _attach_to_wrappers(unique, parent_of)
+
     roots = [sid for sid, parent in parent_of.items() if parent is None]
     if len(roots) == 1:
         root_id = roots[0]
@@ -228,9 +379,7 @@ def _resolve_ids(
     rid, aid, tid = ids
     if not rid:
         raise AssemblyError("cannot determine rollout_id")
-    if not tid:
-        raise AssemblyError(f"rollout {rid}: cannot determine task_id")
-    return rid, aid or rid, tid
+    return rid, aid or rid, tid or NO_TASK
 
 
 def _drop_reason(span: Span, require_logprobs: bool) -> str | None:
@@ -406,7 +555,7 @@ def assemble_trajectory(spans: Iterable[Span], config: AssemblyConfig | None = N
     also drops spans stamped with a different attempt. ``status``/``error``
     override the root's (the stream app passes ``status="abandoned"`` when it
     closes a rollout whose root never came; without a root span and without
-    ``status`` the status is "abandoned"). Raises :class:`AssemblyError` when no
-    rollout or task id can be found.
+    ``status`` the status is "abandoned"). A rollout naming no task gets the task
+    id ``NO_TASK`` (""). Raises :class:`AssemblyError` when no rollout id can be found.
     """
     return assemble_trajectory_with_stats(spans, config, **overrides)[0]

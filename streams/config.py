@@ -18,6 +18,12 @@ Time knobs (seconds):
   to the log (docs/streams.md, "When a rollout closes"): hence 3 s.
 * ``rollout_timeout_s`` - a rollout with no root span and no new span for this
   long is closed as ``abandoned`` (a crashed agent must not pin memory forever).
+* ``session_idle_s`` - the same for a rollout no runner manages (keyed by a
+  session or trace id, or env ids without an attempt id): its normal end, status ok.
+* ``reward_timeout_s`` - a runnerless rollout that closes without a final reward
+  is held this long for one (delayed feedback), then emitted as it is.
+* ``prompt_window_s`` / ``baseline_window`` - baselines of task-less traffic
+  (streams/baselines.py).
 * ``group_timeout_s`` - a GRPO group still short of ``group_size`` attempts
   this long after its first trajectory is emitted incomplete (``complete=False``).
 * ``forget_after_s`` - how long "already emitted" markers are kept to drop
@@ -58,6 +64,14 @@ class StreamConfig:
                               "(a worker's spool after a broker outage; other processes)")
     rollout_timeout_s: float = opt(300.0, "close a rollout with no root span after this long without spans")
     group_timeout_s: float = opt(600.0, "emit a group still short of group_size attempts after this long")
+    session_idle_s: float = opt(60.0, "close a rollout no runner manages (a session, a trace, env ids without an "
+                                      "attempt id) after this long without a new span")
+    reward_timeout_s: float = opt(60.0, "hold a runnerless rollout that closed without a final reward this long "
+                                        "for one (delayed feedback); 0: never hold")
+    prompt_window_s: float = opt(60.0, "window in which task-less trajectories with the same first prompt form "
+                                       "one group")
+    baseline_window: int = opt(32, "recent returns per agent behind the baseline of a task-less trajectory "
+                                   "with no prompt group")
     group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task = GRPO group size")
     forget_after_s: float = opt(3600.0, "how long 'already emitted' markers drop late duplicates")
     tick_s: float = opt(0.5, "timer period for timeouts")
@@ -75,12 +89,14 @@ class StreamConfig:
                                     "here on exit")
 
     def __post_init__(self) -> None:
-        positive = ("rollout_timeout_s", "group_timeout_s", "forget_after_s", "tick_s", "commit_interval_s")
+        positive = ("rollout_timeout_s", "group_timeout_s", "forget_after_s", "tick_s", "commit_interval_s",
+                    "session_idle_s", "prompt_window_s", "baseline_window")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be > 0")
-        if self.grace_s < 0:
-            raise ConfigError("grace_s", self.grace_s, "must be >= 0")
+        for name in ("grace_s", "reward_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0")
         if self.group_size < 1:
             raise ConfigError("group_size", self.group_size, "must be >= 1")
         if not self.store.startswith(("memory://", "rocksdb://", "aerospike://")):

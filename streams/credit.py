@@ -207,17 +207,23 @@ class GroupCredit:
     returns: list[RolloutReturns] = field(default_factory=list)
 
 
-def group_credit(trajectories: Iterable[Trajectory], config: CreditConfig | None = None) -> GroupCredit:
+def group_credit(trajectories: Iterable[Trajectory], config: CreditConfig | None = None,
+                 baseline: tuple[float, float] | None = None) -> GroupCredit:
     """Samples with advantages for all attempts of one task (one GRPO group).
 
     Trajectories repeated with the same ``attempt_id`` count once (first kept).
+    ``baseline`` (mean, std) replaces the group's own when given: a trajectory with no
+    group (streams/baselines.py) is compared with its agent's recent returns.
     """
     config = config or CreditConfig()
     unique: dict[str, Trajectory] = {}
     for trajectory in trajectories:
         unique.setdefault(trajectory["attempt_id"], trajectory)
     returns = [rollout_returns(t, config) for t in unique.values()]
-    mean, std = group_baseline([r.episode_return for r in returns], unbiased=config.std_unbiased)
+    if baseline is None:
+        mean, std = group_baseline([r.episode_return for r in returns], unbiased=config.std_unbiased)
+    else:
+        mean, std = baseline
     samples: list[Sample] = []
     for trajectory, rollout in zip(unique.values(), returns, strict=True):
         samples.extend(trajectory_samples(trajectory, rollout, mean, std, config))

@@ -88,6 +88,27 @@ def split_samples(samples: Sequence[Sample], max_bytes: int, overhead: int = 0) 
     return parts
 
 
+def run_id_of(task_id: str, attempt_id: str) -> str | None:
+    """The run id in an attempt id of the form ``"{run_id}/{task_id}:{n}"`` (``attempt_ids(..., run_id=)``), else None.
+
+    Why: ``boltstream runner --run-id p2`` is a deliberate second pass over the
+    same tasks; its attempts must form their own groups, not arrive late to the
+    first pass's. Parsed against the task id, so a task id holding ``/`` or
+    ``:`` is never mistaken for a run.
+    """
+    head, sep, _ = attempt_id.rpartition(":")
+    suffix = f"/{task_id}"
+    if not sep or not head.endswith(suffix) or len(head) == len(suffix):
+        return None
+    return head[: -len(suffix)]
+
+
+def group_key(task_id: str, attempt_id: str) -> str:
+    """What a GRPO group is keyed by: ``"{run_id}/{task_id}"`` when the attempt names a run, else the task id."""
+    run_id = run_id_of(task_id, attempt_id)
+    return task_id if run_id is None else f"{run_id}/{task_id}"
+
+
 def batch_id_for(task_id: str, attempt_ids: Iterable[str]) -> str:
     """Deterministic id of a group: the task id and a digest of its sorted attempt ids."""
     digest = hashlib.sha1("\n".join(sorted(attempt_ids)).encode("utf-8")).hexdigest()[:16]
@@ -104,6 +125,7 @@ def build_training_batches(
     max_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     batch_id: str | None = None,
     created_ns: int = 0,
+    baseline: tuple[float, float] | None = None,
 ) -> list[TrainingBatch]:
     """The TrainingBatch part(s) of one GRPO group.
 
@@ -112,7 +134,8 @@ def build_training_batches(
     (pass False when the group timed out). Trajectories repeated with the same
     attempt id count once. ``reward_mean``/``reward_std`` are the baseline used
     for the advantages (over episode returns G_0, which equal the final rewards
-    when gamma = 1 and there are no intermediate rewards).
+    when gamma = 1 and there are no intermediate rewards); ``baseline`` replaces the
+    group's own (:func:`~boltstream.streams.credit.group_credit`).
     """
     if group_size < 1:
         raise ValueError(f"group_size: must be >= 1, got {group_size}")
@@ -123,7 +146,7 @@ def build_training_batches(
         unique.setdefault(trajectory["attempt_id"], trajectory)
     if not unique:
         raise ValueError(f"task {task_id!r}: no trajectories")
-    credit = group_credit(unique.values(), config)
+    credit = group_credit(unique.values(), config, baseline)
     rollout_ids = list(dict.fromkeys(t["rollout_id"] for t in unique.values()))
     batch_id = batch_id or batch_id_for(task_id, unique)
     if complete is None:

@@ -18,6 +18,8 @@ Agent names (for ``agent_match``) are read from the span itself, first match win
    instrumentation and Microsoft Agent Framework.
 3. ``agent.name`` - OpenInference semantic conventions (also AgentOps' OpenAI
    Agents SDK instrumentation, which Agent Lightning reads).
+   Then ``operation.name`` on an AgentOps ``@agent`` span (``agentops.span.kind``
+   = ``agent``), as Agent Lightning's adapter reads it.
 4. ``graph.node.id`` on an OpenInference ``AGENT`` span - the OpenInference
    OpenAI Agents SDK processor stores the agent's name there.
 5. ``recipient_agent_type`` on AutoGen core runtime message-processing spans
@@ -48,6 +50,7 @@ Span = Mapping[str, Any]
 _ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
 _LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content", "responses"})
 _LEGACY_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
+AGENTOPS_KIND = "agentops.span.kind"
 _AGENT_METADATA_KEYS = ("lc_agent_name", "langgraph_node")
 _METADATA_PREFIXES = ("langsmith.metadata.", "traceloop.association.properties.")
 
@@ -164,6 +167,7 @@ def has_token_ids(span: Span) -> bool:
 
 _TOOL = frozenset({"tool"})
 _EXECUTE_TOOL = frozenset({"execute_tool"})
+_AGENT = frozenset({"agent"})
 
 
 def _is_tool_attrs(attrs: Mapping[str, Any]) -> bool:
@@ -172,11 +176,12 @@ def _is_tool_attrs(attrs: Mapping[str, Any]) -> bool:
         or _lower_in(attrs, "gen_ai.operation.name", _EXECUTE_TOOL)
         or _oi_kind(attrs) == "TOOL"
         or _lower_in(attrs, "traceloop.span.kind", _TOOL)
+        or _lower_in(attrs, AGENTOPS_KIND, _TOOL)
     )
 
 
 def is_tool_span(span: Span) -> bool:
-    """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry ``tool``)."""
+    """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry or AgentOps ``tool``)."""
     attrs = _attrs(span)
     return bool(attrs) and not _is_llm(span, attrs) and _is_tool_attrs(attrs)
 
@@ -190,6 +195,21 @@ def is_reward_span(span: Span) -> bool:
 def is_rollout_root(span: Span) -> bool:
     """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
     return span.get("name") == records.ROLLOUT_SPAN
+
+
+def is_local_root(span: Span) -> bool:
+    """True for a span with no parent that the agent wrote: the end of a trace seen from the agent.
+
+    The inference worker's LLM span has no parent either when the request had no
+    ``traceparent``; it never ends a trace.
+    """
+    return not span.get("parent_span_id") and (span.get("scope") or _EMPTY).get("name") != records.INFERENCE_SCOPE
+
+
+def is_final_reward(span: Span) -> bool:
+    """True for a reward span carrying a final reward (what a held rollout waits for)."""
+    info = reward_of(span)
+    return info is not None and info.final
 
 
 class SpanKind(NamedTuple):
@@ -275,7 +295,7 @@ def _from_metadata_json(attrs: Mapping[str, Any]) -> str | None:
 _METADATA_KEYS = tuple(prefix + key for key in _AGENT_METADATA_KEYS for prefix in _METADATA_PREFIXES)
 # Every attribute own_agent_name reads: a span carrying none of them names no agent.
 _AGENT_NAME_KEYS = frozenset(
-    {records.AGENT_NAME, "gen_ai.agent.name", "agent.name", "graph.node.id", "recipient_agent_type", "metadata",
+    {records.AGENT_NAME, "gen_ai.agent.name", "agent.name", AGENTOPS_KIND, "graph.node.id", "recipient_agent_type", "metadata",
      "langgraph.node", *_METADATA_KEYS}
 )
 
@@ -287,6 +307,10 @@ def own_agent_name(span: Span) -> str | None:
         return None
     for key in (records.AGENT_NAME, "gen_ai.agent.name", "agent.name"):
         name = _str_of(attrs, key)
+        if name:
+            return name
+    if _lower_in(attrs, AGENTOPS_KIND, _AGENT):
+        name = _str_of(attrs, "operation.name")
         if name:
             return name
     if _oi_kind(attrs) == "AGENT":

@@ -13,10 +13,18 @@ Rollout stage (spans topic, keyed by rollout id):
   or ``span_id``, a record over ``max_message_bytes - RECORD_HEADROOM`` (it
   could not be kept in the changelog, see schemas/records.py) -> dead letter,
   the worker goes on;
-* the ``boltstream.rollout`` root span sets the close time to now + ``grace_s``
-  (0: close at once); no root and no new span for ``rollout_timeout_s`` -> closed
-  as ``abandoned``;
-* a rollout the pure core cannot assemble (no task id anywhere) or must not
+* spans are accumulated by :func:`~boltstream.schemas.records.rollout_key`:
+  explicit rollout id > conversation/session id > trace id;
+* what closes a rollout (docs/zero-code.md): the ``boltstream.rollout`` root span
+  (the runner), or for a rollout keyed by its trace id the trace's local root span
+  (no parent, not the inference worker's), each after ``grace_s`` (0: at once);
+  otherwise no new span for ``session_idle_s`` (status ok). A rollout still
+  missing a referenced parent span (an enclosing span, e.g. the runner's root,
+  never ended) waits ``rollout_timeout_s`` instead and closes ``abandoned``;
+* a rollout without the runner's root that closes without a final reward is held
+  ``reward_timeout_s`` for one (delayed feedback: a reward span with its key);
+  it closes as soon as one arrives, else with none (``failure_reward`` applies);
+* a rollout the pure core cannot assemble (no rollout id) or must not
   train on (a non-finite reward, bad behaviour logprobs, negative or inverted
   span times: streams/validate.py), or whose trajectory cannot be encoded or
   sent (too large) -> every one of its spans is dead-lettered with the reason.
@@ -26,9 +34,14 @@ chunk) is dead-lettered whole before the batch is acknowledged, and the other
 keys of the batch are kept (streams/accumulator.py).
 
 Group stage (trajectories topic, keyed by task id, so all attempts of a task
-meet on one partition): a group closes when ``group_size`` distinct attempts
+meet on one partition; a task-less trajectory by its prompt fingerprint,
+streams/baselines.py): a group is one task's attempts within one run
+(:func:`~boltstream.streams.grouping.group_key`: a ``--run-id`` second pass
+forms its own groups); it closes when ``group_size`` distinct attempts
 are there, or ``group_timeout_s`` after its first trajectory (then
-``complete=False``); a trajectory for an already emitted group is late and dropped.
+``complete=False``); a task-less group closes after ``prompt_window_s`` and, when
+it holds one trajectory, gets its agent's running-mean baseline; a trajectory
+for an already emitted group is late and dropped.
 A trajectory with a non-finite reward or bad logprobs (written by an older
 worker or by hand) is dead-lettered alone, so its group closes without it.
 """
@@ -42,13 +55,15 @@ from typing import Any
 
 from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
-from boltstream.schemas.records import RECORD_HEADROOM
+from boltstream.schemas.records import RECORD_HEADROOM, rollout_key
 
 from .accumulator import Accumulator, Entry, Output, Staged
 from .assembly import InvalidRollout, assemble_trajectory_with_stats
+from .baselines import PROMPT_PREFIX, AgentBaselines, agent_of, partition_key
 from .config import StreamConfig
-from .grouping import build_training_batches
-from .spans import is_rollout_root
+from .credit import rollout_returns
+from .grouping import batch_id_for, build_training_batches, group_key
+from .spans import is_final_reward, is_local_root, is_rollout_root
 from .tables import ChangelogMap, unpack_items
 from .validate import summarise, trajectory_problems
 
@@ -146,7 +161,7 @@ class _Stage(Accumulator):
         due = [(e, False) for e in touched.values()
                if e.due is not None and now >= e.due and not e.closing and self.open.get((e.partition, e.key)) is e]
         if due:
-            await self.close_all(due)
+            await self.close_all(due, now)
 
     async def on_record(self, message: Any, now: float) -> None:
         """One record of the input topic (faust's per-record delivery)."""
@@ -166,16 +181,42 @@ class RolloutStage(_Stage):
         self.out_topic = self.config.settings.topic("trajectories")
 
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
-        if entry.due is None and is_rollout_root(item):
+        state = entry.state
+        # Parents referenced but not seen: an enclosing span (the runner's root) has not ended yet.
+        waiting = state.setdefault("waiting", set())
+        waiting.discard(item["span_id"])
+        parent = item.get("parent_span_id")
+        if parent and parent not in entry.items:
+            waiting.add(parent)
+        if is_final_reward(item):
+            state["rewarded"] = True
+            if state.get("held"):
+                entry.due = now  # the reward it was held for came
+        root = is_rollout_root(item)
+        state["root"] = state.get("root", False) or root
+        if entry.due is None and (root or (item.get("trace_id") == entry.key and is_local_root(item))):
             entry.due = now + self.config.grace_s
 
     def expired(self, entry: Entry, now: float) -> bool:
-        return now - entry.last_seen >= self.config.rollout_timeout_s
+        limit = self.config.rollout_timeout_s if entry.state.get("waiting") else self.config.session_idle_s
+        return now - entry.last_seen >= limit
+
+    def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
+        """A runnerless rollout that closes without a final reward waits ``reward_timeout_s`` for one."""
+        state = entry.state
+        if state.get("held") or state.get("rewarded") or state.get("root") or self.config.reward_timeout_s <= 0:
+            return False
+        state["held"], state["timed_out"] = True, timed_out
+        entry.due = now + self.config.reward_timeout_s
+        self.stats["held_for_reward"] += 1
+        return True
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
         overrides: dict[str, str] = {}
-        if timed_out:
+        if (timed_out or entry.state.get("timed_out")) and entry.state.get("waiting"):
             overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}
+        elif not entry.state.get("root"):
+            overrides = {"status": "ok"}  # a session or trace: its end (local root, idleness) is its normal close
         try:
             trajectory, stats = assemble_trajectory_with_stats(
                 entry.items.values(), self.assembly, rollout_id=entry.key, **overrides
@@ -188,18 +229,18 @@ class RolloutStage(_Stage):
         self.stats["dropped_calls"] += stats.dropped_calls
         self.stats["duplicate_spans"] += stats.duplicate_spans
         value = self.codec.encode("Trajectory", trajectory, topic=self.out_topic)
-        return [(self.out_topic, trajectory["task_id"].encode(), value)]
+        return [(self.out_topic, partition_key(trajectory).encode(), value)]
 
     def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
-        rollout_id, span_id = item.get("rollout_id"), item.get("span_id")
-        if not rollout_id:
-            return "span has no rollout_id: it belongs to no rollout", "no_rollout_id"
+        key, span_id = rollout_key(item), item.get("span_id")
+        if not key:
+            return "span has no rollout id, session id or trace id: it belongs to no rollout", "no_rollout_id"
         if not span_id:
-            return f"span of rollout {rollout_id} has no span_id", "no_span_id"
+            return f"span of rollout {key} has no span_id", "no_span_id"
         return None
 
     def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
-        return item["rollout_id"], item["span_id"]
+        return rollout_key(item), item["span_id"]
 
 
 class GroupStage(_Stage):
@@ -213,27 +254,44 @@ class GroupStage(_Stage):
         super().__init__(*args, **kwargs)
         self.credit = self.config.credit
         self.out_topic = self.config.settings.topic("batches")
+        self.baselines = AgentBaselines(self.config.baseline_window)
 
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
         if entry.due is None and len(entry.items) >= self.config.group_size:
             entry.due = now
 
     def expired(self, entry: Entry, now: float) -> bool:
-        return now - entry.first_seen >= self.config.group_timeout_s
+        window = self.config.prompt_window_s if entry.key.startswith(PROMPT_PREFIX) else self.config.group_timeout_s
+        return now - entry.first_seen >= window
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
+        trajectories = list(entry.items.values())
+        task_id = trajectories[0]["task_id"]  # the entry key may carry a run id in front of it
+        taskless = not task_id
+        baseline = None
+        if taskless:  # a prompt-fingerprint group: peers when several came, else the agent's recent returns
+            returns = {t["attempt_id"]: rollout_returns(t, self.credit).episode_return for t in trajectories}
+            if len(returns) == 1:
+                (only,) = trajectories
+                baseline = self.baselines.baseline(agent_of(only), returns[only["attempt_id"]])
+                self.stats["agent_baseline"] += 1
+            for t in trajectories:
+                self.baselines.add(agent_of(t), returns[t["attempt_id"]])
         batches = build_training_batches(
-            entry.key,
-            list(entry.items.values()),
+            task_id,
+            trajectories,
             self.credit,
             group_size=self.config.group_size,
+            complete=True if taskless else None,  # a task-less group is whatever its window gathered
             max_bytes=self.config.batch_bytes,
+            batch_id=batch_id_for(entry.key, entry.items) if taskless else None,
             created_ns=time.time_ns(),
+            baseline=baseline,
         )
         self.stats["samples"] += sum(len(b["samples"]) for b in batches)
         if len(batches) > 1:
             self.stats["split_groups"] += 1
-        key = entry.key.encode()
+        key = (task_id or entry.key).encode()
         return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
 
     def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
@@ -243,4 +301,6 @@ class GroupStage(_Stage):
         return None
 
     def item_key_of(self, item: dict[str, Any]) -> tuple[str, str]:
-        return item["task_id"], item["attempt_id"]
+        if not item["task_id"]:
+            return partition_key(item), item["attempt_id"]
+        return group_key(item["task_id"], item["attempt_id"]), item["attempt_id"]

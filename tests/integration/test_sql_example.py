@@ -89,11 +89,11 @@ def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: P
     worker_calls = {rid: [s for s in group if has_token_ids(s)] for rid, group in by_rollout.items()}
     finished = [rid for rid, t in trained.items() if t["status"] == "ok"]
     assert finished and all(len(worker_calls[rid]) == 2 for rid in finished)
-    # No traceparent reaches the worker (see examples/sql/agent.py solve()): the stream app's tree repair
-    # puts each worker call under the ChatOpenAI span containing it, whose metadata names the node.
+    # The httpx instrumentation sends a traceparent: each worker call hangs off the HTTP client span, a
+    # sibling of OpenInference's ChatOpenAI span (LangChain's callbacks never make it current). The stream
+    # app's time-containment repair puts the call under the ChatOpenAI span, whose metadata names the node.
     role_of_call: dict[str, str | None] = {}
     for rid in finished:
-        assert all(c["parent_span_id"] is None for c in worker_calls[rid])
         tree = build_span_tree(by_rollout[rid])
         names = inherited_agent_names(tree.spans, tree.parent_of)
         role_of_call.update((c["span_id"], names[c["span_id"]]) for c in worker_calls[rid])

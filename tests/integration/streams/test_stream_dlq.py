@@ -16,7 +16,9 @@ async def test_poison_records_go_to_the_dlq_and_good_ones_flow(settings: Setting
     rollouts = make_workload(6, GROUP, seed=5, run=settings.namespace)
     expected = reference_samples(rollouts)
     good = encoded_spans(codec, spans_topic, rollouts)
-    orphan = dict(rollouts[0].spans[0], span_id="00000000deadbeef", rollout_id=None, attempt_id=None, task_id=None)
+    # No rollout id, no session, not even a trace id (a span without ids is otherwise the rollout of its trace).
+    orphan = dict(rollouts[0].spans[0], span_id="00000000deadbeef", rollout_id=None, attempt_id=None, task_id=None,
+                  trace_id="")
     poison = {
         b"garbage": (b"garbage", b"not avro at all"),
         b"wrong-schema": (b"wrong-schema", codec.encode("Task", {"task_id": "t", "payload_json": "{}"})),
@@ -48,7 +50,7 @@ async def test_poison_records_go_to_the_dlq_and_good_ones_flow(settings: Setting
         assert letter["value"] == value  # kept whole, replayable
     assert "wrong magic byte" in letters[b"garbage"]["reason"]
     assert "expected a Span record, got Task" in letters[b"wrong-schema"]["reason"]
-    assert "no rollout_id" in letters[b"no-ids"]["reason"]
+    assert "no rollout id, session id or trace id" in letters[b"no-ids"]["reason"]
     assert "empty record" in letters[b"empty"]["reason"]
     assert worker.alive()
     assert worker.stop() == 0, worker.log_tail()

@@ -97,7 +97,7 @@ def llm_span(
     **kw: Any,
 ) -> dict[str, Any]:
     """An LLM span as the inference worker records it."""
-    return span(
+    return {**span(
         span_id,
         name="chat m",
         parent=parent,
@@ -105,7 +105,7 @@ def llm_span(
         end=end,
         llm=llm_block(prompt, response, logprobs, policy_version=policy_version, temperature=temperature),
         **kw,
-    )
+    ), "scope": {"name": "boltstream.inference", "version": None}}
 
 
 def root_span(

@@ -171,16 +171,6 @@ async def test_grace_period_defers_the_close() -> None:
     assert len(app.producer.to("u.trajectories")) == 1
 
 
-async def test_rollout_with_no_task_id_is_dead_lettered() -> None:
-    stage, app = make(RolloutStage)
-    spans = [{**s, "task_id": None, "attributes": {}} for s in rollout_spans(with_root=False)]
-    await feed(stage, spans)
-    await stage.tick(1000.0 + stage.config.rollout_timeout_s)
-    letters = [CODEC.decode(s[2], expect="DeadLetter") for s in app.producer.to("u.dlq")]
-    assert sorted(x["value"] for x in letters) == sorted(map(enc, spans)), "every span, whole"
-    assert all("cannot determine task_id" in x["reason"] for x in letters)
-
-
 async def test_rebuild_restores_open_rollouts_and_finishes_interrupted_cleanups() -> None:
     stage, app = make(RolloutStage)
     store = stage.items.store
@@ -201,18 +191,19 @@ async def test_rebuild_restores_open_rollouts_and_finishes_interrupted_cleanups(
 async def test_poison_records_are_dead_lettered_with_their_origin() -> None:
     stage, app = make(RolloutStage)
     await stage.on_record(Msg(b"junk", 2, 17, b"key"), 1.0)
-    await stage.on_record(Msg(enc({**rollout_spans()[0], "rollout_id": None}), 3, 4), 1.0)
+    await stage.on_record(Msg(enc({**rollout_spans()[0], "rollout_id": None, "trace_id": ""}), 3, 4), 1.0)
     letters = [CODEC.decode(s[2], expect="DeadLetter") for s in app.producer.to("u.dlq")]
     assert [(x["partition"], x["offset"], x["topic"]) for x in letters] == [(2, 17, "u.spans"), (3, 4, "u.spans")]
     assert letters[0]["value"] == b"junk" and letters[0]["key"] == b"key"
-    assert "no rollout_id" in letters[1]["reason"]
+    assert "no rollout id, session id or trace id" in letters[1]["reason"]
     assert stage.dlq.counts == {"undecodable": 1, "no_rollout_id": 1}
 
 
-def trajectory_bytes(attempt: int, reward: float) -> bytes:
+def trajectory_bytes(attempt: int, reward: float, run_id: str | None = None) -> bytes:
     turn = {"call_index": 0, "span_id": "s", "prompt_token_ids": [1], "response_token_ids": [2],
             "response_logprobs": [-0.1]}
-    record = {"rollout_id": f"r{attempt}", "attempt_id": f"t1:{attempt}", "task_id": "t1", "turns": [turn],
+    attempt_id = f"t1:{attempt}" if run_id is None else f"{run_id}/t1:{attempt}"
+    record = {"rollout_id": f"r{run_id}{attempt}", "attempt_id": attempt_id, "task_id": "t1", "turns": [turn],
               "final_reward": reward}
     return CODEC.encode("Trajectory", record, topic="u.trajectories")
 
@@ -229,6 +220,21 @@ async def test_group_emits_when_full_and_ignores_replays_and_late_attempts() -> 
     assert batch["complete"] and [s["advantage"] for s in batch["samples"]] == pytest.approx([0.5, -0.5])
     await stage.on_record(Msg(trajectory_bytes(2, 0.5)), 1.0)
     assert len(app.producer.to("u.batches")) == 1 and stage.stats["late"] == 1
+
+
+async def test_a_second_run_over_the_same_task_forms_its_own_group() -> None:
+    stage, app = make(GroupStage, group_size=2)
+    for run_id in ("p1", "p2"):  # boltstream runner --run-id p1, then --run-id p2 over the same tasks
+        await stage.on_record(Msg(trajectory_bytes(0, 1.0, run_id)), 1.0)
+        await stage.on_record(Msg(trajectory_bytes(1, 0.0, run_id)), 1.0)
+    await settle()
+    sent = app.producer.to("u.batches")
+    batches = [CODEC.decode(s[2], expect="TrainingBatch") for s in sent]
+    assert stage.stats["late"] == 0 and [s[1] for s in sent] == [b"t1", b"t1"]
+    assert [b["task_id"] for b in batches] == ["t1", "t1"] and all(b["complete"] for b in batches)
+    assert [sorted(s["attempt_id"] for s in b["samples"]) for b in batches] == [["p1/t1:0", "p1/t1:1"],
+                                                                             ["p2/t1:0", "p2/t1:1"]]
+    assert batches[0]["batch_id"] != batches[1]["batch_id"]
 
 
 async def test_group_timeout_emits_an_incomplete_group() -> None:

@@ -289,11 +289,14 @@ def test_ids_fall_back_to_promoted_fields_and_attempt_to_rollout() -> None:
     assert (traj["rollout_id"], traj["attempt_id"], traj["task_id"]) == ("r1", "r1", "t1")
 
 
+def test_rollout_without_task_id_is_valid_with_an_empty_task() -> None:
+    traj = assemble_trajectory([span("x", task_id=None, attempt_id=None)])
+    assert (traj["rollout_id"], traj["attempt_id"], traj["task_id"]) == ("r1", "r1", "")
+
+
 def test_assembly_errors() -> None:
     with pytest.raises(AssemblyError, match="no spans"):
         assemble_trajectory([])
-    with pytest.raises(AssemblyError, match="task_id"):
-        assemble_trajectory([span("x", task_id=None)])
     with pytest.raises(AssemblyError, match="rollout_id"):
         assemble_trajectory([span("x", rollout_id=None)])
     with pytest.raises(AssemblyError, match="span_id"):

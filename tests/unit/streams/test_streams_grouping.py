@@ -14,6 +14,7 @@ from boltstream.streams import (
     build_training_batches,
     estimate_batch_overhead,
     estimate_sample_bytes,
+    group_key,
     split_samples,
 )
 from tests.unit.streams.factory import trajectory, turn
@@ -124,3 +125,16 @@ def test_grouping_errors() -> None:
         build_training_batches("t1", [trajectory("a", [], task_id="t2")], group_size=1)
     with pytest.raises(ValueError, match="group_size"):
         build_training_batches("t1", [trajectory("a", [])], group_size=0)
+
+
+@pytest.mark.parametrize(("task_id", "attempt_id", "key"), [
+    ("q1", "q1:0", "q1"),  # no run id: the task, as before
+    ("q1", "p2/q1:3", "p2/q1"),  # attempt_ids("q1", 3, run_id="p2")
+    ("sql/q1", "sql/q1:0", "sql/q1"),  # a slash in the task id is not a run
+    ("sql/q1", "p2/sql/q1:0", "p2/sql/q1"),
+    ("a:b", "a:b:1", "a:b"),
+    ("q1", "/q1:0", "q1"),  # an empty run id is no run id
+    ("q1", "free-form-attempt", "q1"),  # an env-given attempt id of any shape
+])
+def test_group_key(task_id: str, attempt_id: str, key: str) -> None:
+    assert group_key(task_id, attempt_id) == key
