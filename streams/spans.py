@@ -187,6 +187,11 @@ def is_reward_span(span: Span) -> bool:
     return span.get("name") == records.REWARD_SPAN or _attrs(span).get(records.SPAN_KIND) == "reward"
 
 
+def is_feedback(span: Span) -> bool:
+    """True for a reward span made from delayed feedback (producers/feedback.py), which may come late."""
+    return _attrs(span).get(records.FEEDBACK) is True
+
+
 def is_rollout_root(span: Span) -> bool:
     """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
     return span.get("name") == records.ROLLOUT_SPAN
