@@ -53,6 +53,7 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
     app_id: str, run_cli: Callable[..., Any],
 ) -> None:
     cli_rollout, http_rollout = f"fb-cli-{uuid.uuid4().hex[:6]}", f"fb-http-{uuid.uuid4().hex[:6]}"
+    unknown = f"fb-nobody-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"], env=settings_env,
                            log_path=tmp_path / "serve.log")
     try:
@@ -69,13 +70,16 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
             http_cid = _chat(client, http_rollout)["id"]
             r = client.post("/v1/feedback", json={"completion_id": http_cid, "reward": 0.5, "name": "thumbs"})
             assert r.status_code == 202 and r.json()["rollout_key"] == http_rollout, r.text
-            r = client.post("/v1/feedback", content='{"completion_id": "%s", "reward": NaN}' % http_cid)
+            r = client.post("/v1/feedback", content=json.dumps({"completion_id": http_cid, "reward": float("nan")}))
             assert r.status_code == 400 and r.json()["error"]["param"] == "reward", r.text
     finally:
         worker.stop()
     await _close(settings, cli_rollout, http_rollout)
+    orphan = run_cli("feedback", "--rollout-id", unknown, "--reward", "1")  # no span of it will ever come
+    assert orphan.returncode == 0, orphan.stderr[-2000:]
 
-    stream = start_worker(app_id, "--group-size", "1")
+    # a short rollout timeout: the unknown rollout's feedback is given up on within seconds
+    stream = start_worker(app_id, "--group-size", "1", BOLTSTREAM_STREAM_ROLLOUT_TIMEOUT_S="3")
     async with TopicReader(settings, settings.topic("trajectories"), "Trajectory") as out:
         await out.until(lambda: len(out.records) >= 2, 90, "the two trajectories")
         by_rollout = {t["rollout_id"]: t for t in out.records}
@@ -90,11 +94,13 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
         late = run_cli("feedback", "--rollout-id", cli_rollout, "--reward", "0")
         assert late.returncode == 0, late.stderr[-2000:]
         async with TopicReader(settings, settings.topic("dlq"), "DeadLetter") as dlq:
-            await dlq.until(lambda: any(d["key"] == cli_rollout.encode() for d in dlq.records), 60,
-                            "the late feedback's dead letter")
-        (letter,) = [d for d in dlq.records if d["key"] == cli_rollout.encode()]
-        assert letter["reason"] == (f"feedback for rollout {cli_rollout} arrived after it was trained: "
-                                    "its reward 0.0 was not used"), letter["reason"]
+            await dlq.until(lambda: {d["key"] for d in dlq.records} >= {cli_rollout.encode(), unknown.encode()}, 60,
+                            "the late and the unknown feedback's dead letters")
+        letters = {d["key"].decode(): d["reason"] for d in dlq.records}
+        assert len(dlq.records) == 2, letters
+        assert letters[cli_rollout] == (f"feedback for rollout {cli_rollout} arrived after it was trained: "
+                                        "its reward 0.0 was not used")
+        assert letters[unknown].startswith(f"rollout {unknown}: unknown rollout: feedback arrived for it")
         await out.quiet(idle=1.0, timeout=5.0)
         assert len(out.records) == 2, "no second trajectory for a late feedback"
     assert stream.alive() and stream.stop() == 0, stream.log_tail()
