@@ -70,9 +70,10 @@ def parser() -> argparse.ArgumentParser:
                     "or by a rollout, session or trace id. Final and primary: the latest one before the "
                     "rollout is trained is its final reward; the same feedback twice counts once.")
     target = p.add_mutually_exclusive_group(required=True)
-    for name in TARGETS:
-        target.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.split("_")[0].upper() + "_ID"
-                            if name != "completion_id" else "ID")
+    target.add_argument("--completion-id", metavar="ID", help="the chat completion's id (the worker's answer)")
+    target.add_argument("--rollout-id", metavar="ID", help="the rollout id (BOLTSTREAM_ROLLOUT_ID, the runner's)")
+    target.add_argument("--session-id", metavar="ID", help="the conversation / session id")
+    target.add_argument("--trace-id", metavar="HEX", help="the W3C trace id (32 hex digits)")
     p.add_argument("--reward", required=True, help="the reward, a finite number")
     p.add_argument("--name", default=None, help="reward name (default: reward)")
     p.add_argument("--idempotency-key", default=None,
