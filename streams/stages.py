@@ -192,7 +192,7 @@ class RolloutStage(_Stage):
         return None
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
-        if all(is_feedback(span) for span in entry.items.values()):
+        if entry.items and all(is_feedback(span) for span in entry.items.values()):
             return self.failed(entry, "unknown rollout: feedback arrived for it, but no span of the rollout itself",
                                "feedback_unknown_rollout")
         overrides: dict[str, str] = {}
