@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("boltstream.producers.tasks", "publish a task dataset (JSONL or Parquet) to the tasks topic"),
     "runner": ("boltstream.producers.runner", "run an agent function on tasks from the tasks topic"),
     "ingest": ("boltstream.producers.otlp_ingest", "re-emit OTLP spans written by an OpenTelemetry Collector"),
+    "feedback": ("boltstream.producers.feedback_cli", "send a reward for a rollout that already ran (by completion id)"),
     "serve": ("boltstream.inference.cli", "OpenAI-compatible inference worker with token capture"),
     "stream": ("boltstream.streams.cli", "the stream app: spans -> trajectories -> training batches"),
     "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints"),

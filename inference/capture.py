@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
 from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers, session_from_headers
-from boltstream.schemas.records import ATTEMPT_ID, INFERENCE_SCOPE, ROLLOUT_ID, TASK_ID
+from boltstream.schemas.records import ATTEMPT_ID, INFERENCE_SCOPE, ROLLOUT_ID, TASK_ID, span_key
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ class CallContext:
             trace_id, parent = m.group(1), m.group(2)
         return cls(ids, trace_id, parent, time.time_ns())
 
+    def rollout_key(self) -> str:
+        """The ``spans`` key this call's LLM spans get: what its completion id names (producers/feedback.py)."""
+        return span_key({"rollout_id": self.ids.get(ROLLOUT_ID), "trace_id": self.trace_id,
+                         "attributes": dict(self.ids)}).decode("utf-8")
+
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_ATTR else text[:MAX_TEXT_ATTR] + "…[truncated]"
@@ -91,8 +96,12 @@ def build_llm_span(
     output_text: str | None = None,
     end_ns: int | None = None,
     resource: Mapping[str, Any] | None = None,
+    span_id: str | None = None,
 ) -> dict[str, Any]:
-    """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion."""
+    """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion.
+
+    ``span_id``: the one the completion id already names (the first choice's); random otherwise.
+    """
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "boltstream",
@@ -127,7 +136,7 @@ def build_llm_span(
             ensure_ascii=False))
     return {
         "trace_id": ctx.trace_id,
-        "span_id": secrets.token_hex(8),
+        "span_id": span_id or secrets.token_hex(8),
         "parent_span_id": ctx.parent_span_id,
         "name": f"{operation} {request_model}",
         "kind": "SERVER",

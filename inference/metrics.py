@@ -53,6 +53,8 @@ class Metrics:
         self.capture_failures = Counter("boltstream_inference_capture_failures",
                                         "responses refused because their spans could not be written", registry=r)
         self.spans = Counter("boltstream_inference_spans", "LLM spans written", registry=r)
+        self.feedback = Counter("boltstream_inference_feedback", "POST /v1/feedback answers by status",
+                                ["status"], registry=r)
         self.model_name = model_name
 
     def watch_spool(self, stats: Callable[[], Mapping[str, int] | None]) -> None:

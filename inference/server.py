@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app of an inference worker (FastAPI; run by uvicorn in ``boltstream serve``).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /v1/feedback`` (a reward for a rollout that already ran, by completion id or rollout /
+session / trace id; 202 once the broker acknowledged its reward span: producers/feedback.py),
 ``GET /health`` (loaded policy version, reload state; ``?min_version=N&timeout=S``
 waits for a version, so tests and benchmarks need no polling loops),
 ``GET /metrics`` (Prometheus). Every route also answers under
@@ -33,6 +35,7 @@ from boltstream.inference.metrics import Metrics
 from boltstream.inference.protocol import ApiError, error_body, parse_json
 from boltstream.inference.reload import CheckpointFollower, ReloadStatus
 from boltstream.inference.service import CompletionService
+from boltstream.producers.feedback import FeedbackError, feedback_span, parse_feedback
 from boltstream.producers.headers import NO_CAPTURE_SEGMENT, decode_segment, parse_rollout_path
 from boltstream.schemas.records import ROLLOUT_ID
 
@@ -170,6 +173,24 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _answer(request, "completion")
+
+    @app.post("/v1/feedback", status_code=202)
+    async def feedback(request: Request) -> dict[str, Any]:
+        try:
+            fb = parse_feedback(parse_json(await request.body()))
+        except FeedbackError as exc:
+            metrics.feedback.labels("400").inc()
+            raise ApiError(400, str(exc), param=exc.field, code="invalid_value") from None
+        try:
+            await sink.send([feedback_span(fb)])
+        except Exception as exc:
+            metrics.feedback.labels("503").inc()
+            log.error("feedback %s for rollout %s not written: %s", fb.target, fb.key, exc)
+            raise ApiError(503, f"the feedback could not be written to the log ({exc}); retry it (the same "
+                                "feedback twice counts once)", type="server_error", code="capture_failed") from exc
+        metrics.feedback.labels("202").inc()
+        return {"object": "feedback", "status": "accepted", "rollout_key": fb.key, "span_id": fb.span_id,
+                "name": fb.name, "reward": fb.value}
 
     def _model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "boltstream",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from boltstream.inference.capture import CallContext, SpanSink, build_llm_span
 from boltstream.inference.chat import parse_tool_calls, render_prompt, validate_tools
 from boltstream.inference.metrics import Metrics
 from boltstream.inference.protocol import ApiError
+from boltstream.producers.feedback import completion_id
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,17 @@ class CompletionService:
 
     # ---------------------------------------------------------------- capture
 
+    @staticmethod
+    def _response_id(req: P.ParsedRequest, ctx: CallContext) -> tuple[str, str | None]:
+        """(completion id, the first LLM span's id): a captured call's id names its rollout (feedback)."""
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        if not ctx.capture:  # evaluation traffic is never trained: nothing for feedback to address
+            return P.new_id(prefix), None
+        span_id = secrets.token_hex(8)
+        return completion_id(prefix, ctx.rollout_key(), span_id), span_id
+
     def _spans(self, req: P.ParsedRequest, ctx: CallContext, rid: str, gens: list[Generation],
-               texts: list[str]) -> list[dict[str, Any]]:
+               texts: list[str], first_span_id: str | None) -> list[dict[str, Any]]:
         if not ctx.capture:  # evaluation traffic: served, never written
             return []
         spans, end = [], time.time_ns()
@@ -87,7 +98,7 @@ class CompletionService:
                     prompt_ids=gen.prompt_token_ids, completion=c, choice_index=k, params=req.params,
                     policy_version=gen.policy_version,
                     input_messages=req.messages if req.kind == "chat" else req.prompt_text[p],
-                    output_text=texts[k], end_ns=end))
+                    output_text=texts[k], end_ns=end, span_id=first_span_id if k == 0 else None))
         return spans
 
     async def _capture(self, spans: list[dict[str, Any]]) -> None:
@@ -141,8 +152,8 @@ class CompletionService:
         t0 = time.perf_counter()
         gens = list(await asyncio.gather(*(self.backend.generate(p, req.params) for p in req.prompts)))
         completions = [c for g in gens for c in g.completions]
-        rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
-        await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+        rid, first_span_id = self._response_id(req, ctx)
+        await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions], first_span_id))
         out = P.envelope(req.kind, rid, req.model, min(g.policy_version for g in gens))
         out["choices"] = [self._choice(req, k, c) for k, c in enumerate(completions)]
         out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens), sum(len(c.token_ids) for c in completions))
@@ -172,7 +183,7 @@ class CompletionService:
         """SSE: deltas as tokens are sampled; spans acknowledged after the last chunk, before ``[DONE]``."""
         t0 = time.perf_counter()
         n = req.params.n
-        rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        rid, first_span_id = self._response_id(req, ctx)
         version = self.backend.policy_version
         events: asyncio.Queue[tuple[int, int, float]] = asyncio.Queue()
         streams = {k: P.TextStream(self.tokenizer, req.params.stop) for k in range(len(req.prompts) * n)}
@@ -232,7 +243,8 @@ class CompletionService:
                                        sum(len(c.token_ids) for c in completions))
                 yield _sse(out)
             try:
-                await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions]))
+                await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions],
+                                                first_span_id))
             except ApiError as exc:
                 self._account(req, gens, t0, status=str(exc.status))
                 yield _sse(exc.body())

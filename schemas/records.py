@@ -39,6 +39,11 @@ REWARD_NAME = "boltstream.reward.name"
 REWARD_VALUE = "boltstream.reward.value"
 REWARD_FINAL = "boltstream.reward.final"
 REWARD_PRIMARY = "boltstream.reward.primary"
+# On a reward span made from delayed feedback (``boltstream feedback``, ``POST /v1/feedback``):
+# the stream app dead-letters such a span when its rollout was already trained, or never existed.
+FEEDBACK = "boltstream.feedback"
+FEEDBACK_TARGET = "boltstream.feedback.target"
+FEEDBACK_IDEMPOTENCY_KEY = "boltstream.feedback.idempotency_key"
 
 # Set on a span whose attributes were cut to fit the broker's message size.
 TRUNCATED = "boltstream.truncated"

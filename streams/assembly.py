@@ -50,8 +50,10 @@ from typing import Any
 from boltstream.schemas import records
 
 from .air import CallRef, evaluate_air
+from .evaluations import evaluation_rewards
 from .settings import AssemblyConfig
 from .spans import (
+    RewardInfo,
     Span,
     attr,
     has_token_ids,
@@ -128,6 +130,7 @@ class AssemblyStats:
     trained_calls: int = 0
     air_rewards: int = 0
     air_rewards_unattached: int = 0
+    evaluation_rewards: int = 0
 
 
 def dedupe_spans(spans: Iterable[Span]) -> tuple[dict[str, Span], int]:
@@ -399,9 +402,9 @@ def _drop_reason(span: Span, require_logprobs: bool) -> str | None:
     return None
 
 
-def _final_rewards(spans: Iterable[Span]) -> tuple[float | None, list[dict[str, Any]]]:
+def _final_rewards(spans: Iterable[Span], extra: Iterable[RewardInfo] = ()) -> tuple[float | None, list[dict[str, Any]]]:
     infos = sorted(
-        (info for info in map(reward_of, spans) if info is not None and info.final),
+        [*(info for info in map(reward_of, spans) if info is not None and info.final), *extra],
         key=lambda info: (info.time_ns, info.span_id),
     )
     rewards = [{"name": i.name, "value": i.value, "source": i.span_id} for i in infos]
@@ -505,11 +508,15 @@ def assemble_trajectory_with_stats(
         kinds,
     )
     stats.air_rewards_unattached = len(air.unattached)
+    evaluated, evaluation_finals = evaluation_rewards(tree.spans.values(), calls)  # streams/evaluations.py
     turns = []
     for index, span in enumerate(kept):
         llm = span["llm"]
         rewards = air.rewards_by_call.get(span["span_id"], [])
         stats.air_rewards += len(rewards)
+        evaluations = evaluated.get(span["span_id"], [])
+        stats.evaluation_rewards += len(evaluations)
+        rewards = [*rewards, *evaluations]
         turns.append(
             {
                 "call_index": index,
@@ -527,7 +534,9 @@ def assemble_trajectory_with_stats(
             }
         )
 
-    final_reward, final_rewards = _final_rewards(s for sid, s in tree.spans.items() if kinds[sid].reward)
+    final_reward, final_rewards = _final_rewards((s for sid, s in tree.spans.items() if kinds[sid].reward),
+                                                 evaluation_finals)
+    stats.evaluation_rewards += len(evaluation_finals)
     final_status, final_error = _status(root, status, error)
     if root is not None:
         start_ns, end_ns = int(root.get("start_time_ns", 0)), int(root.get("end_time_ns", 0))

@@ -192,6 +192,11 @@ def is_reward_span(span: Span) -> bool:
     return span.get("name") == records.REWARD_SPAN or _attrs(span).get(records.SPAN_KIND) == "reward"
 
 
+def is_feedback(span: Span) -> bool:
+    """True for a reward span made from delayed feedback (producers/feedback.py), which may come late."""
+    return _attrs(span).get(records.FEEDBACK) is True
+
+
 def is_rollout_root(span: Span) -> bool:
     """True for the runner's ``boltstream.rollout`` span (ids, status, timings)."""
     return span.get("name") == records.ROLLOUT_SPAN
@@ -201,9 +206,10 @@ def is_local_root(span: Span) -> bool:
     """True for a span with no parent that the agent wrote: the end of a trace seen from the agent.
 
     The inference worker's LLM span has no parent either when the request had no
-    ``traceparent``; it never ends a trace.
+    ``traceparent``; it never ends a trace, nor does delayed feedback (it may come first).
     """
-    return not span.get("parent_span_id") and (span.get("scope") or _EMPTY).get("name") != records.INFERENCE_SCOPE
+    return (not span.get("parent_span_id") and not is_feedback(span)
+            and (span.get("scope") or _EMPTY).get("name") != records.INFERENCE_SCOPE)
 
 
 def is_final_reward(span: Span) -> bool:

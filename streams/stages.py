@@ -27,7 +27,11 @@ Rollout stage (spans topic, keyed by rollout id):
 * a rollout the pure core cannot assemble (no rollout id) or must not
   train on (a non-finite reward, bad behaviour logprobs, negative or inverted
   span times: streams/validate.py), or whose trajectory cannot be encoded or
-  sent (too large) -> every one of its spans is dead-lettered with the reason.
+  sent (too large) -> every one of its spans is dead-lettered with the reason;
+* delayed feedback (a reward span with ``boltstream.feedback``, producers/feedback.py) for a
+  rollout already closed -> dead letter ``feedback for rollout X arrived after it was trained``
+  (DLQ category ``feedback_after_trained``); a rollout made of feedback alone when it closes
+  -> its spans dead-lettered as ``unknown rollout`` (``feedback_unknown_rollout``).
 
 Both stages: what a stage cannot keep in its changelog (the broker refused the
 chunk) is dead-lettered whole before the batch is acknowledged, and the other
@@ -55,7 +59,7 @@ from typing import Any
 
 from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
-from boltstream.schemas.records import RECORD_HEADROOM, rollout_key
+from boltstream.schemas.records import RECORD_HEADROOM, REWARD_VALUE, rollout_key
 
 from .accumulator import Accumulator, Entry, Output, Staged
 from .assembly import InvalidRollout, assemble_trajectory_with_stats
@@ -63,7 +67,7 @@ from .baselines import PROMPT_PREFIX, AgentBaselines, agent_of, partition_key
 from .config import StreamConfig
 from .credit import rollout_returns
 from .grouping import batch_id_for, build_training_batches, group_key
-from .spans import is_final_reward, is_local_root, is_rollout_root
+from .spans import is_feedback, is_final_reward, is_local_root, is_rollout_root
 from .tables import ChangelogMap, unpack_items
 from .validate import summarise, trajectory_problems
 
@@ -118,6 +122,10 @@ class _Stage(Accumulator):
         """(reason, DLQ category) when a decoded record cannot be accumulated, else None."""
         return None
 
+    def refuse(self, partition: int, key: str, item: dict[str, Any]) -> tuple[str, str] | None:
+        """(reason, DLQ category) for an item its key can no longer take (a late one that must be said)."""
+        return None
+
     async def on_batch(self, messages: Sequence[Any], now: float) -> None:
         """Consumed records of the input topic, in offset order per partition.
 
@@ -143,10 +151,12 @@ class _Stage(Accumulator):
                 continue
             try:
                 problem = self.identify(item)
+                if problem is None:
+                    key, item_id = self.item_key_of(item)
+                    problem = self.refuse(message.partition, key, item)
                 if problem is not None:
                     await self.dlq.reject(message, *problem)
                     continue
-                key, item_id = self.item_key_of(item)
                 entry = self.stage(message.partition, key, item_id, value, item, now, message.offset, message.key)
             except Exception as exc:  # never let one record stop the stage
                 log.exception("%s[%d]@%d: internal error", message.topic, message.partition, message.offset)
@@ -211,7 +221,17 @@ class RolloutStage(_Stage):
         self.stats["held_for_reward"] += 1
         return True
 
+    def refuse(self, partition: int, key: str, item: dict[str, Any]) -> tuple[str, str] | None:
+        # Any other late span is only counted (``late``); a feedback is someone's answer: dead-letter it, said.
+        if is_feedback(item) and self.is_closed(partition, key):
+            return (f"feedback for rollout {key} arrived after it was trained: its reward "
+                    f"{item['attributes'].get(REWARD_VALUE)!r} was not used"), "feedback_after_trained"
+        return None
+
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
+        if entry.items and all(is_feedback(span) for span in entry.items.values()):
+            return self.failed(entry, "unknown rollout: feedback arrived for it, but no span of the rollout itself",
+                               "feedback_unknown_rollout")
         overrides: dict[str, str] = {}
         if (timed_out or entry.state.get("timed_out")) and entry.state.get("waiting"):
             overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}
