@@ -17,7 +17,7 @@ from boltstream.config import DEFAULT_STATE_FILE
 from boltstream.errors import StackError
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream stack", description="The embedded broker + S3 stack.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -76,7 +76,7 @@ def _print_table(status: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point used by :mod:`boltstream.cli`."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.action == "up":
         state = stack.start_stack(
             args.state_file,
