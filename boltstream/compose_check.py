@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shlex
@@ -66,7 +67,8 @@ def load_compose(paths: Iterable[str | Path], env: Mapping[str, str] | None = No
     model: dict[str, Any] = {}
     for path in paths:
         model = _merge(model, yaml.safe_load(interpolate(Path(path).read_text(), env or {})) or {})
-    return model
+    # YAML aliases (`environment: *boltstream-env`) share one object; each service gets its own copy.
+    return json.loads(json.dumps(model))
 
 
 def command_lines(spec: Mapping[str, Any]) -> list[list[str]]:
