@@ -233,7 +233,9 @@ def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], 
             raise
         raise ConfigError(source, exc.value, exc.reason) from exc
     except (TypeError, ValueError) as exc:
-        raise ConfigError(cls.__name__, kwargs, str(exc)) from exc
+        secret = {f.name for f in dataclasses.fields(cls) if f.metadata.get("secret")}
+        shown = {k: "***" if k in secret and v is not None else v for k, v in kwargs.items()}
+        raise ConfigError(cls.__name__, shown, str(exc)) from exc
 
 
 _TRUE = {"1", "true", "yes", "on"}
