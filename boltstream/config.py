@@ -77,6 +77,8 @@ class Settings:
         "s3_region",
         "namespace",
         "partitions",
+        "security_protocol",
+        "ssl_cafile",
     )
 
     bootstrap_servers: str = opt("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]")

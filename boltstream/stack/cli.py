@@ -29,6 +29,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--durable", action="store_true", help="keep the broker's log in S3 (survives a broker crash)"
     )
+    up.add_argument(
+        "--secure", action="store_true",
+        help="clients reach the broker over TLS only (generated self-signed certificate, see 'stack env')",
+    )
     up.add_argument("--partitions", type=int, help="partitions per topic (default 4)")
     up.add_argument("--namespace", help="topic name prefix (default 'boltstream.')")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for both services")
@@ -58,6 +62,8 @@ def _print_table(status: dict[str, Any]) -> None:
     mode = f"durable ({status.get('broker_storage')})" if status.get("durable") else "memory"
     rows = [
         ("kafka bootstrap", status.get("bootstrap_servers", "")),
+        ("kafka security", f"{status.get('security_protocol', 'PLAINTEXT')}"
+                           + (f", CA {status['ssl_cafile']}" if status.get("ssl_cafile") else "")),
         ("broker", f"pid {pids.get('broker')} {'alive' if alive.get('broker') else 'DEAD'}, {mode}"),
         ("s3 endpoint", status.get("s3_endpoint", "")),
         ("s3", f"pid {pids.get('s3')} {'alive' if alive.get('s3') else 'DEAD'}"),
@@ -81,6 +87,7 @@ def main(argv: list[str]) -> int:
         state = stack.start_stack(
             args.state_file,
             durable=args.durable,
+            secure=args.secure,
             partitions=args.partitions,
             namespace=args.namespace,
             timeout=args.timeout,
