@@ -175,3 +175,50 @@ def test_docker_compose_config_accepts_the_files() -> None:
         args = [a for f in files for a in ("-f", str(f))]
         done = subprocess.run([*cmd, *args, "config", "--quiet"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
+
+
+def _readme_production_lines() -> list[str]:
+    readme = (INFRA.parent / "README.md").read_text()
+    section = readme.split("### Production: docker compose")[1].split("\n## ")[0]
+    blocks = section.split("```bash\n")[1:]
+    return [line.split("  #")[0].strip() for block in blocks for line in block.split("```")[0].splitlines()
+            if line.strip()]
+
+
+def test_the_readme_production_section_matches_the_compose_file(model: dict[str, Any]) -> None:
+    lines = _readme_production_lines()
+    published = {_host(p) for spec in model["services"].values() for p in spec.get("ports") or []}
+    env_example = (INFRA / ".env.example").read_text()
+    ran_check = False
+    for line in lines:
+        words = line.split()
+        if words[:2] == ["docker", "compose"]:
+            files = [words[i + 1] for i, w in enumerate(words) if w == "-f"]
+            assert files and all((INFRA.parent / f).is_file() for f in files), line
+            if "up" in words:  # every service named exists
+                named = [w for w in words[words.index("up") + 1:] if not w.startswith("-") and "=" not in w]
+                assert set(named) <= set(model["services"]), line
+            for scale in [w.split("=")[0] for w in words if "=" in w and words[words.index(w) - 1] == "--scale"]:
+                assert scale in model["services"], line
+        elif words[0] == "export":
+            name, value = words[1].split("=", 1)
+            if "localhost:" in value:  # a published host port of the compose file
+                assert value.split("localhost:")[1].split("/")[0] in published, line
+            if name == "BOLTSTREAM_S3_SECRET_KEY":
+                assert f"S3_SECRET_KEY={value}" in env_example, line
+        elif words[:3] == ["python", "-m", "boltstream.compose_check"]:
+            assert main(words[3:]) == 0  # runs as written (from the repository root)
+            ran_check = True
+        elif words[0] == "boltstream":
+            assert check_command(words) is None, line
+        else:
+            assert words[0] in ("cp", "python"), f"README command nobody checks: {line}"
+            if words[0] == "cp":
+                assert (INFRA.parent / words[1]).is_file(), line
+            else:
+                assert check_command(words) is None, line
+    assert ran_check
+
+
+def _host(mapping: Any) -> str:
+    return str(mapping).split(":")[0]
