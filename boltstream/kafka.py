@@ -51,6 +51,11 @@ DEFAULT_LINGER_MS = 5
 
 
 def _scram_refusal_is_an_auth_error() -> None:
+    """Patch aiokafka's SCRAM client so a broker's refusal is an authentication error, not KeyError('v').
+
+    Without it a wrong password or an unknown user surfaces as "unable to bootstrap" after the
+    whole timeout, with ``KeyError: 'v'`` in the log; with it, the broker's own reason.
+    """
     from aiokafka import conn
 
     original = conn.ScramAuthenticator.process_server_final_message
