@@ -77,6 +77,8 @@ class Settings:
         "s3_region",
         "namespace",
         "partitions",
+        "security_protocol",
+        "ssl_cafile",
     )
 
     bootstrap_servers: str = opt("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]")
@@ -233,7 +235,9 @@ def _resolve(cls: type[C], explicit: Mapping[str, Any], env: Mapping[str, str], 
             raise
         raise ConfigError(source, exc.value, exc.reason) from exc
     except (TypeError, ValueError) as exc:
-        raise ConfigError(cls.__name__, kwargs, str(exc)) from exc
+        secret = {f.name for f in dataclasses.fields(cls) if f.metadata.get("secret")}
+        shown = {k: "***" if k in secret and v is not None else v for k, v in kwargs.items()}
+        raise ConfigError(cls.__name__, shown, str(exc)) from exc
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -344,6 +348,19 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+class _RefuseSecret(argparse.Action):
+    """A secret's flag exists only to refuse it with a clear error that does not repeat the value
+    (argparse would echo it, or take ``--api-key`` as an abbreviation of ``--api-key-file``)."""
+
+    def __init__(self, *args: Any, env: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env = env
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not accepted on the command line, where every user of the machine "
+                     f"can read it: set {self.env} instead")
+
+
 def flags_from_dataclass(parser: Any, cls: type, *, only: tuple[str, ...] | None = None,
                          settings_title: str = "broker, object store, schema registry") -> None:
     """Add a flag for every setting of ``cls``: ``--field-name`` (``--x/--no-x`` for booleans).
@@ -356,7 +373,10 @@ def flags_from_dataclass(parser: Any, cls: type, *, only: tuple[str, ...] | None
     """
     groups: dict[type, Any] = {}
     for knob in knobs(cls):
-        if (only is not None and knob.name not in only) or knob.field.metadata.get("secret"):
+        if only is not None and knob.name not in only:
+            continue
+        if knob.field.metadata.get("secret"):
+            parser.add_argument(knob.flag, action=_RefuseSecret, env=knob.env, help=argparse.SUPPRESS)
             continue
         owner_prefix = getattr(knob.owner, "env_prefix", None)
         target: Any = parser

@@ -18,6 +18,9 @@ those differences should be encoded once:
   + 1, not the last record's offset + 1 (200 records in one batch -> "1").
   Never use ``end_offsets()``/``highwater()`` to decide "caught up" or lag;
   use :func:`log_end_offsets`, which reads the last batch to find the true end.
+* A SCRAM refusal (RFC 5802 server-final ``e=unknown-user``, ``e=invalid-proof``) reaches aiokafka 0.14
+  as ``KeyError('v')``; :func:`_scram_refusal_is_an_auth_error` turns it into
+  ``AuthenticationFailedError`` naming the broker's reason, for every client of this process.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.client import AIOKafkaClient
-from aiokafka.errors import KafkaError
+from aiokafka.conn import create_conn
+from aiokafka.errors import AuthenticationFailedError, KafkaError, UnsupportedSaslMechanismError
 from aiokafka.helpers import create_ssl_context
 
 from boltstream.config import Settings
@@ -44,6 +48,30 @@ REBALANCE_TIMEOUT_MS = 6_000
 SESSION_TIMEOUT_MS = 6_000
 HEARTBEAT_INTERVAL_MS = 2_000
 DEFAULT_LINGER_MS = 5
+
+
+def _scram_refusal_is_an_auth_error() -> None:
+    """Patch aiokafka's SCRAM client so a broker's refusal is an authentication error, not KeyError('v').
+
+    Without it a wrong password or an unknown user surfaces as "unable to bootstrap" after the
+    whole timeout, with ``KeyError: 'v'`` in the log; with it, the broker's own reason.
+    """
+    from aiokafka import conn
+
+    original = conn.ScramAuthenticator.process_server_final_message
+    if getattr(original, "_boltstream", False):
+        return
+
+    def process_server_final_message(self: Any, server_final: str) -> None:
+        if server_final.startswith("e="):
+            raise AuthenticationFailedError(f"the broker refused SCRAM authentication: {server_final[2:]}")
+        original(self, server_final)
+
+    process_server_final_message._boltstream = True  # type: ignore[attr-defined]
+    conn.ScramAuthenticator.process_server_final_message = process_server_final_message
+
+
+_scram_refusal_is_an_auth_error()
 
 
 class BrokerUnavailableError(BoltstreamError, TimeoutError):
@@ -140,6 +168,22 @@ async def _tcp_open(host: str, port: int, timeout: float) -> bool:
     return True
 
 
+async def _raise_if_refused(settings: Settings, host: str, port: int, request_ms: int) -> None:
+    """aiokafka's bootstrap logs an authentication failure and reports "unable to bootstrap"; one direct
+    connection tells the two apart, so wrong credentials fail at once with the broker's reason."""
+    kwargs = {k: v for k, v in client_kwargs(settings).items() if k != "bootstrap_servers"}
+    try:
+        conn = await create_conn(host, port, request_timeout_ms=request_ms, **kwargs)
+    except AuthenticationFailedError as exc:  # waiting will not change the credentials
+        raise BrokerUnavailableError(f"broker at {settings.bootstrap_servers}: {exc}") from exc
+    except UnsupportedSaslMechanismError as exc:
+        raise BrokerUnavailableError(f"broker at {settings.bootstrap_servers} does not accept SASL "
+                                     f"{settings.sasl_mechanism} ({exc}): is authentication on there?") from exc
+    except (TimeoutError, KafkaError, OSError):
+        return
+    conn.close()
+
+
 async def wait_for_broker(settings: Settings, timeout: float = 30.0) -> None:
     """Block until the broker answers a metadata request, or raise BrokerUnavailableError.
 
@@ -168,6 +212,8 @@ async def wait_for_broker(settings: Settings, timeout: float = 30.0) -> None:
                 last_error = RuntimeError("metadata lists no brokers")
             except (TimeoutError, KafkaError, OSError) as exc:
                 last_error = exc
+                if settings.security_protocol.startswith("SASL"):
+                    await _raise_if_refused(settings, host.strip("[]"), int(port), request_ms)
             finally:
                 await client.close()
         await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

@@ -203,7 +203,7 @@ async def describe_topics(settings: Settings, names: Iterable[str] | None = None
 # ---------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream topics", description="Create, list or describe the topics.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -226,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``boltstream topics create|list|describe``."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     explicit = {
         "bootstrap_servers": args.bootstrap_servers,
         "namespace": args.namespace,

@@ -65,6 +65,9 @@ class ServeConfig:
     workdir: str | None = opt(None, "where downloaded checkpoints go (default: a temporary directory)")
     gpu_memory_utilization: float = opt(0.85, "vLLM: fraction of GPU memory to use")
     log_level: str = opt("info", "debug | info | warning")
+    api_key: str | None = opt(None, "clients must send 'Authorization: Bearer <key>' on /v1/... (env only: "
+                                    "argv is visible to every user of the machine)", secret=True)
+    api_key_file: str | None = opt(None, "file holding the API key (instead of BOLTSTREAM_SERVE_API_KEY)")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,6 +78,16 @@ class ServeConfig:
             raise ConfigError("max_batch_size", self.max_batch_size, "must be >= 1")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens", self.default_max_tokens, "must be >= 1")
+        if self.api_key_file is not None:
+            if self.api_key:
+                raise ConfigError("api_key_file", self.api_key_file, "give the API key by env or by file, not both")
+            try:
+                key = Path(self.api_key_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError("api_key_file", self.api_key_file, f"unreadable: {exc.strerror}") from exc
+            if not key:
+                raise ConfigError("api_key_file", self.api_key_file, "the file is empty")
+            object.__setattr__(self, "api_key", key)
 
     @property
     def name(self) -> str:
@@ -135,7 +148,7 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
                                       workdir=workdir, status=status, metrics=metrics)
     names = tuple(dict.fromkeys((cfg.name, cfg.model)))
     return create_app(backend, sink=sink, served_names=names, follower=follower, status=status,
-                      metrics=metrics, default_max_tokens=cfg.default_max_tokens)
+                      metrics=metrics, default_max_tokens=cfg.default_max_tokens, api_key=cfg.api_key)
 
 
 def main(argv: list[str]) -> int:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from boltstream.inference.auth import ApiKeyMiddleware
 from boltstream.inference.backend import Backend
 from boltstream.inference.capture import CallContext, SpanSink
 from boltstream.inference.metrics import Metrics
@@ -92,8 +93,12 @@ def create_app(
     status: ReloadStatus | None = None,
     metrics: Metrics | None = None,
     default_max_tokens: int = 256,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The worker app; starting it (lifespan) starts the backend, the span sink and the checkpoint follower."""
+    """The worker app; starting it (lifespan) starts the backend, the span sink and the checkpoint follower.
+
+    With ``api_key``, ``/v1/...`` requests without that bearer token get 401 (:mod:`.auth`).
+    """
     metrics = metrics or Metrics(served_names[0])
     status = status or ReloadStatus()
     service = CompletionService(backend, sink, metrics, served_names=served_names,
@@ -120,6 +125,8 @@ def create_app(
             await backend.stop()
 
     app = FastAPI(title="boltstream inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # inner: sees the path without /rollout/...
     app.add_middleware(RolloutPathMiddleware)
     app.state.service = service
     app.state.metrics = metrics

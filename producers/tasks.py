@@ -140,7 +140,7 @@ async def publish(settings: Settings, tasks: list[TaskLine], *, split: str | Non
         await producer.stop()
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream tasks", description="Publish a task dataset to the tasks topic.")
     sub = p.add_subparsers(dest="action", required=True)
     pub = sub.add_parser("publish", help="validate a JSONL/Parquet file and publish one Task per line")
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if not args.path.is_file():
         sys.stderr.write(f"boltstream tasks: no such file: {args.path}\n")
         return 2

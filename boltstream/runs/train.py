@@ -219,13 +219,17 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream train", description=__doc__.split("\n\n")[0])
     p.add_argument("--agent", required=True, help="module:function of your agent (see docs/producers.md)")
     p.add_argument("--train", type=Path, required=True, help="training tasks (JSONL)")
     p.add_argument("--test", type=Path, required=True, help="held-out tasks (JSONL)")
     add_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test)
     stop_on_sigterm()
     summary = run(cfg, external=args.external)

@@ -17,7 +17,7 @@ from boltstream.config import DEFAULT_STATE_FILE
 from boltstream.errors import StackError
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="boltstream stack", description="The embedded broker + S3 stack.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", parents=[common], help="start the stack (or report the running one)")
     up.add_argument(
         "--durable", action="store_true", help="keep the broker's log in S3 (survives a broker crash)"
+    )
+    up.add_argument(
+        "--secure", action="store_true",
+        help="clients reach the broker over TLS only (generated self-signed certificate, see 'stack env')",
     )
     up.add_argument("--partitions", type=int, help="partitions per topic (default 4)")
     up.add_argument("--namespace", help="topic name prefix (default 'boltstream.')")
@@ -58,6 +62,8 @@ def _print_table(status: dict[str, Any]) -> None:
     mode = f"durable ({status.get('broker_storage')})" if status.get("durable") else "memory"
     rows = [
         ("kafka bootstrap", status.get("bootstrap_servers", "")),
+        ("kafka security", f"{status.get('security_protocol', 'PLAINTEXT')}"
+                           + (f", CA {status['ssl_cafile']}" if status.get("ssl_cafile") else "")),
         ("broker", f"pid {pids.get('broker')} {'alive' if alive.get('broker') else 'DEAD'}, {mode}"),
         ("s3 endpoint", status.get("s3_endpoint", "")),
         ("s3", f"pid {pids.get('s3')} {'alive' if alive.get('s3') else 'DEAD'}"),
@@ -76,11 +82,12 @@ def _print_table(status: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point used by :mod:`boltstream.cli`."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.action == "up":
         state = stack.start_stack(
             args.state_file,
             durable=args.durable,
+            secure=args.secure,
             partitions=args.partitions,
             namespace=args.namespace,
             timeout=args.timeout,

@@ -27,7 +27,15 @@ from boltstream import s3
 from boltstream.config import Settings, read_state
 from boltstream.errors import BoltstreamError, StackError
 from boltstream.processes import pid_alive, terminate, wait_dead
-from boltstream.stack.services import broker_bin, run_sync, start_broker, start_s3, wait_broker, wait_s3
+from boltstream.stack.services import (
+    broker_bin,
+    run_sync,
+    start_broker,
+    start_s3,
+    start_tls,
+    wait_broker,
+    wait_s3,
+)
 from boltstream.stack.state import (
     CREDENTIALS_ENV,
     STATE_VERSION,
@@ -50,8 +58,13 @@ def start_stack(
     namespace: str | None = None,
     timeout: float = 60.0,
     die_with_parent: bool = False,
+    secure: bool = False,
 ) -> dict[str, Any]:
     """Start broker + S3, wait until both answer, create topics and bucket; return the state.
+
+    ``secure``: the broker is reached over TLS only (a generated self-signed certificate; see
+    :mod:`boltstream.stack.tls`), and the state tells every client ``security_protocol=SSL`` and
+    the ``ssl_cafile`` to verify it with.
 
     If the state file names a stack whose processes all live, nothing is
     started and that state is returned with ``already_running: True``. A
@@ -93,6 +106,7 @@ def start_stack(
             "pids": {},
             "proc_starts": {},
             "logs": {"broker": f"{log_prefix}.broker.log", "s3": f"{log_prefix}.s3.log"},
+            "secure": secure,
             "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         state["broker_storage"] = f"s3://{state['broker_bucket']}/" if durable else "memory://tansu/"
@@ -104,7 +118,11 @@ def start_stack(
                 write_state(path, state)
                 wait_s3(state, deadline)
                 s3.ensure_bucket(s3.make_client(settings_from_state(state)), state["broker_bucket"])
-            start_broker(state)
+            if secure:
+                state["tls_dir"] = f"{log_prefix}.tls"
+                state["logs"]["tls"] = f"{log_prefix}.tls.log"
+                start_tls(state)
+            start_broker(state, state.get("broker_port"))
             write_state(path, state)  # from here on `down` can clean up even if we die
             wait_s3(state, deadline)
             wait_broker(state, deadline)
@@ -191,7 +209,7 @@ def restart_broker(state_file: str | os.PathLike[str] | None = None, timeout: fl
         if not state:
             raise StackError(f"no embedded stack state at {path}")
         terminate(int(state["pids"]["broker"]), state.get("proc_starts", {}).get("broker"))
-        port = int(state["bootstrap_servers"].rsplit(":", 1)[1])
+        port = int(state.get("broker_port") or state["bootstrap_servers"].rsplit(":", 1)[1])
         deadline = time.monotonic() + timeout
         while True:  # the old listener may need a moment to release the port
             start_broker(state, port)
@@ -214,6 +232,7 @@ def embedded_stack(
     partitions: int | None = None,
     namespace: str | None = None,
     timeout: float = 60.0,
+    secure: bool = False,
 ) -> Iterator[Settings]:
     """``with embedded_stack(tmpdir) as settings:`` a private stack, always stopped on exit.
 
@@ -228,6 +247,7 @@ def embedded_stack(
         namespace=namespace,
         timeout=timeout,
         die_with_parent=True,
+        secure=secure,
     )
     try:
         yield settings_from_state(state)

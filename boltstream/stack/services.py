@@ -24,6 +24,7 @@ from boltstream.stack.state import settings_from_state
 T = TypeVar("T")
 BROKER = "broker (tansu)"
 S3 = "s3 (moto)"
+TLS = "tls front"
 # Env vars Tansu reads that must not leak in from the caller's shell.
 _TANSU_ENV = (
     "CLUSTER_ID",
@@ -141,19 +142,42 @@ def _broker_env(state: dict[str, Any]) -> dict[str, str]:
 
 
 def start_broker(state: dict[str, Any], port: int | None = None) -> None:
-    """Start Tansu on ``port`` (a free one if None) with ``state['broker_storage']``; records it in ``state``."""
+    """Start Tansu on ``port`` (a free one if None) with ``state['broker_storage']``; records it in ``state``.
+
+    In a secure stack the broker listens on a private port and advertises the TLS front's address
+    (``bootstrap_servers``, set by :func:`start_tls`): clients only ever meet the TLS listener.
+    """
     port = port or free_port()
     url = f"tcp://{LOOPBACK}:{port}"
+    advertised = f"tcp://{state['bootstrap_servers']}" if state.get("secure") else url
     argv = [
         state["broker_bin"],
         "broker",
         "--listener-url", url,
-        "--advertised-listener-url", url,
+        "--advertised-listener-url", advertised,
         "--storage-engine", state["broker_storage"],
     ]  # fmt: skip
     proc = spawn(BROKER, argv, state["logs"]["broker"], _broker_env(state), state.get("die_with_parent", False))
-    state["bootstrap_servers"] = f"{LOOPBACK}:{port}"
+    state["broker_port"] = port
+    if not state.get("secure"):
+        state["bootstrap_servers"] = f"{LOOPBACK}:{port}"
     _record(state, "broker", proc.pid)
+
+
+def start_tls(state: dict[str, Any]) -> None:
+    """Start the TLS front of a secure stack (:mod:`boltstream.stack.tls`) before the broker it fronts."""
+    from boltstream.stack.tls import write_self_signed
+
+    cert, key = write_self_signed(state["tls_dir"])
+    port = free_port()
+    state["bootstrap_servers"] = f"{LOOPBACK}:{port}"
+    state["broker_port"] = free_port()
+    state["ssl_cafile"] = str(cert)
+    state["security_protocol"] = "SSL"
+    argv = [sys.executable, "-m", "boltstream.stack.tls", state["bootstrap_servers"],
+            f"{LOOPBACK}:{state['broker_port']}", str(cert), str(key)]
+    proc = spawn(TLS, argv, state["logs"]["tls"], dict(os.environ), state.get("die_with_parent", False))
+    _record(state, "tls", proc.pid)
 
 
 def wait_broker(state: dict[str, Any], deadline: float) -> None:

@@ -75,7 +75,8 @@ def settings_from_state(state: dict[str, Any], **overrides: Any) -> Settings:
 
 def settings_env(settings: Settings, state_file: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """``BOLTSTREAM_*`` variables that make any process resolve to ``settings`` (what ``stack env`` prints)."""
-    env = {f"{ENV_PREFIX}{name.upper()}": str(getattr(settings, name)) for name in Settings.from_state}
+    env = {f"{ENV_PREFIX}{name.upper()}": str(getattr(settings, name)) for name in Settings.from_state
+           if getattr(settings, name) is not None}
     if state_file is not None:
         env[f"{ENV_PREFIX}STATE_FILE"] = str(Path(state_file).resolve())
     return env

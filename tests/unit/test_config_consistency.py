@@ -3,7 +3,8 @@
 
 Each comparison resolves the component's config with the component's own parser and
 :func:`boltstream.config.load`, from the very command line ``boltstream train`` would start it with
-(:meth:`PipelineConfig.argv`) or the compose file declares.
+(:meth:`PipelineConfig.argv`) or the compose file declares. That every variable and flag of the compose
+file exists at all is checked, for every service, by tests/unit/test_compose_file.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from boltstream.compose_check import load_compose
 from boltstream.config import Knob, knobs, load
 from boltstream.inference.cli import ServeConfig
 from boltstream.inference.cli import parser as serve_parser
@@ -140,7 +141,7 @@ def test_a_bad_override_fails_when_the_run_is_configured(run_cfg: PipelineConfig
 
 
 def compose_services() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load(COMPOSE.read_text())["services"]
+    return load_compose([COMPOSE])["services"]
 
 
 def compose_started(service: str) -> tuple[str, Any, dict[str, str]]:
@@ -160,11 +161,3 @@ def compose_started(service: str) -> tuple[str, Any, dict[str, str]]:
 def test_compose_services_run_with_the_settings_train_gives_them(run_cfg: PipelineConfig, service: str) -> None:
     component, config, _ = compose_started(service)
     assert values(config) == values(train_started(run_cfg, component))
-
-
-@pytest.mark.parametrize("service", ["stream", "learner", "inference"])
-def test_every_variable_compose_sets_is_a_setting_of_its_service(service: str) -> None:
-    component, _, env = compose_started(service)
-    known = {k.env for k in knobs(COMPONENTS[component][0])}
-    unknown = sorted(k for k in env if k.startswith("BOLTSTREAM_") and k not in known)
-    assert not unknown, f"{service} sets variables no config reads: {unknown}"
