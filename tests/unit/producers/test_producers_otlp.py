@@ -109,3 +109,25 @@ def test_undecodable_payloads_raise(payload: bytes) -> None:
 def test_unknown_encoding() -> None:
     with pytest.raises(OtlpDecodeError):
         decode(b"{}", "otlp_avro")
+
+
+def _one_span_doc(**span: Any) -> bytes:
+    sp = {"traceId": "ab" * 16, "spanId": "cd" * 8, "name": "s", "startTimeUnixNano": "5", "endTimeUnixNano": "6",
+          **span}
+    return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [sp]}]}]}).encode()
+
+
+# Found by tests/unit/fuzz/test_fuzz_otlp_ingest.py: each once escaped as a non-OtlpDecodeError (or, the
+# 2^70 time, wrapped silently to 64 in the Span record).
+@pytest.mark.parametrize(("payload", "why"), [
+    (_one_span_doc(status={"message": True}), "status message must be a string"),
+    (_one_span_doc(scope=None, attributes=[{"key": None, "value": {"intValue": "1"}}]), "attribute key"),
+    (_one_span_doc(startTimeUnixNano=str(2**70)), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(endTimeUnixNano="-1"), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(events=[{"name": "e", "timeUnixNano": 2**64}]), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(startTimeUnixNano=1e400), "OverflowError"),
+    (b'{"resourceSpans": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "RecursionError"),
+])
+def test_hostile_json_is_refused_with_a_reason(payload: bytes, why: str) -> None:
+    with pytest.raises(OtlpDecodeError, match=why):
+        decode(payload)
