@@ -4,7 +4,7 @@ Fast form (inside ``make test``): ``FAST_EXAMPLES`` inputs per target, seconds i
 Long form: ``BOLTSTREAM_FUZZ_EXAMPLES=100000 .venv/bin/python -m pytest -p no:cacheprovider tests/unit/fuzz``
 (or ``make fuzz``); the count applies to every target. No example database is written (runs are
 reproducible from the printed ``@reproduce_failure`` / falsifying example instead), and there is no
-per-example deadline: a hang is caught by pytest-timeout, a slow input by ``SLOW_S`` in the targets.
+per-example deadline: a hang is caught by pytest-timeout, a slow input by ``SLOW_S`` in the targets (CPU time where the work runs in the test thread).
 """
 
 from __future__ import annotations
