@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from boltstream.config import Settings
 from boltstream.learner.metrics import read_records, read_steps
 from boltstream.processes import Processes, log_tail
 from boltstream.schemas import Codec
-from tests.integration.streams.stream_helpers import WORKER_ENV, produce
+from tests.integration.streams.stream_helpers import WORKER_ENV, TopicReader, produce
 from tests.integration.streams.stream_workload import (
     Rollout,
     interleaved_spans,
@@ -65,15 +65,37 @@ class Result:
     unexpected: int
     recovery_s: float | None
     seconds: float
+    deduped: int = 0  # duplicate deliveries the learner dropped (its documented dedupe by batch/sample id)
+    poison: int = 0
+    dead_letters: int = 0
 
     def row(self) -> str:
         rec = "-" if self.recovery_s is None else f"{self.recovery_s:.1f}"
-        return (f"| {self.scenario} | {self.spans_per_s:.0f} | {self.faults} | {self.rollouts_in} | "
-                f"{self.samples_trained}/{self.expected_samples} | {self.lost} | {self.duplicated} | {rec} |")
+        faults = self.faults + (f"; {self.poison} poison records, {self.dead_letters} dead letters"
+                                if self.poison else "")
+        return (f"| {self.scenario} | {self.spans_per_s:.0f} | {faults} | {self.rollouts_in} | "
+                f"{self.samples_trained}/{self.expected_samples} | {self.lost} | {self.duplicated} | {self.deduped} | "
+                f"{rec} |")
 
 
 HEADER = ("| scenario | load held (spans/s) | faults | rollouts in | samples trained / expected | lost | "
-          "duplicated | recovery (s) |\n|---|---|---|---|---|---|---|---|")
+          "duplicated | deduped | recovery (s) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+    trained: int  # distinct expected-or-not sample ids trained
+    lost: int  # expected, never trained
+    duplicated: int  # trained copies beyond the first
+    unexpected: int  # trained, never produced
+
+
+def reconcile(expected: Iterable[str], steps: Iterable[Mapping[str, Any]]) -> Reconciled:
+    """Produced sample ids against the ``sample_ids`` of the learner's surviving step history."""
+    trained = [str(sid) for step in steps for sid in step["sample_ids"]]
+    counts = Counter(trained)
+    want = set(expected)
+    return Reconciled(len(counts), len(want - set(counts)), len(trained) - len(counts), len(set(counts) - want))
 
 
 def fit_vocab(rollouts: list[Rollout]) -> list[Rollout]:
@@ -166,26 +188,84 @@ async def no_fault(pipe: Pipeline) -> tuple[str, float | None]:
     return "none", None
 
 
+READY = {LEARNER: "ready: step", STREAM.format(0): "group state ready for partitions"}
+
+
+async def _mid_load(pipe: Pipeline) -> float:
+    """Wait for the learner's first step, check the load still flows, return the fault's time."""
+    await until(lambda: pipe.step_count() >= 1, 180, "the learner's first step", pipe)
+    if pipe.producing is None or pipe.producing.done():
+        raise AssertionError("the fault must land while the load is still being produced")
+    return time.monotonic()
+
+
+async def _recovered(pipe: Pipeline, name: str, t0: float) -> float:
+    """Seconds from ``t0`` until ``name`` is ready again and the learner completed a step after that."""
+    await until(lambda: pipe.logged(name, READY[name]), 180, f"{name} ready again", pipe)
+    after = pipe.step_count()
+    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, f"a learner step after {name}", pipe)
+    return time.monotonic() - t0
+
+
 def _restart_after_kill(name: str, label: str) -> Fault:
     async def fault(pipe: Pipeline) -> tuple[str, float | None]:
-        await until(lambda: pipe.step_count() >= 1, 180, "the learner's first step", pipe)
-        t0 = time.monotonic()
-        if pipe.producing is None or pipe.producing.done():
-            raise AssertionError("the fault must land while the load is still being produced")
+        t0 = await _mid_load(pipe)
         pipe.kill(name)
         pipe.start(name)
-        after = pipe.step_count()
-        await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180,
-                    f"a learner step after restarting {name}", pipe)
-        return label, time.monotonic() - t0
+        return label, await _recovered(pipe, name, t0)
     return fault
+
+
+async def slow_learner(pipe: Pipeline, stall_s: float = 8.0) -> tuple[str, float | None]:
+    """SIGSTOP the learner while the load goes on (a backlog builds on ``batches``), then SIGCONT."""
+    t0 = await _mid_load(pipe)
+    proc = pipe.procs.procs[pipe.current[LEARNER]]
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(stall_s)  # the fault itself (a stalled learner), not synchronisation
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    after = pipe.step_count()
+    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after SIGCONT", pipe)
+    return f"learner stopped (SIGSTOP) {stall_s:.0f}s mid-load", time.monotonic() - t0 - stall_s
+
+
+async def broker_restart(pipe: Pipeline) -> tuple[str, float | None]:
+    """SIGKILL the broker mid-load and start it again on the same port and (durable) storage."""
+    from boltstream.stack import kill_broker, restart_broker
+
+    state_file = pipe.settings.state_file
+    if not state_file:
+        raise AssertionError("the broker scenario needs a stack state file (run it on its own durable stack)")
+    t0 = await _mid_load(pipe)
+    await asyncio.to_thread(kill_broker, state_file)
+    await asyncio.to_thread(restart_broker, state_file)
+    after = pipe.step_count()
+    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after the broker", pipe)
+    return "SIGKILL + restart of the broker (durable storage)", time.monotonic() - t0
 
 
 SCENARIOS: dict[str, Fault] = {
     "baseline": no_fault,
     "sigkill-stream-worker": _restart_after_kill(STREAM.format(0), "SIGKILL + restart of 1 of 2 stream workers"),
     "sigkill-learner": _restart_after_kill(LEARNER, "SIGKILL + restart of the learner (resumes from checkpoint)"),
+    "slow-learner": slow_learner,
+    "poison-records": no_fault,  # the fault is in the load: see POISON_EVERY
+    "sigkill-broker": broker_restart,  # benchmarks/chaos.py only: needs a stack of its own, durable
 }
+POISON_EVERY = 25  # poison-records: one undecodable record after every 25 good ones
+
+
+def with_poison(records: list[tuple[bytes, bytes]], every: int) -> tuple[list[tuple[bytes, bytes]], int]:
+    """Insert a corrupt record (a valid single-object header, garbage body) after every ``every``."""
+    out: list[tuple[bytes, bytes]] = []
+    poison = 0
+    for i, (key, value) in enumerate(records, 1):
+        out.append((key, value))
+        if i % every == 0:
+            out.append((b"poison-%d" % i, value[:10] + b"\xff" * 7))
+            poison += 1
+    return out, poison
 
 
 async def run_scenario(name: str, settings: Settings, env: dict[str, str], workdir: Path, *, tasks: int = 16,
@@ -195,6 +275,9 @@ async def run_scenario(name: str, settings: Settings, env: dict[str, str], workd
     rollouts = fit_vocab(make_workload(tasks, GROUP, seed=seed, run=f"{settings.namespace}{name}"))
     expected = reference_samples(rollouts)
     records = interleaved_spans(Codec(), settings.topic("spans"), rollouts, width=8)
+    poison = 0
+    if name == "poison-records":
+        records, poison = with_poison(records, POISON_EVERY)
     workdir.mkdir(parents=True, exist_ok=True)
     pipe = Pipeline(settings, env, workdir, tasks)
     t_start = time.monotonic()
@@ -213,12 +296,24 @@ async def run_scenario(name: str, settings: Settings, env: dict[str, str], workd
         await pipe.producing
         load_s = time.monotonic() - t_load
         await until(pipe.learner_done, 300, f"the learner's last step ({pipe.max_steps})", pipe)
+        dead_letters = await count_dead_letters(settings, poison)
     finally:
         pipe.close()
-    trained = [sid for s in pipe.steps() for sid in s["sample_ids"]]
-    counts = Counter(trained)
+    steps = pipe.steps()
+    got = reconcile(expected, steps)
+    dropped = steps[-1].get("dropped_total", {}) if steps else {}
     return Result(
         scenario=name, spans_per_s=len(records) / max(load_s, 1e-9), faults=faults, rollouts_in=len(rollouts),
-        expected_samples=len(expected), samples_trained=len(counts), lost=len(set(expected) - set(counts)),
-        duplicated=len(trained) - len(counts), unexpected=len(set(counts) - set(expected)), recovery_s=recovery,
-        seconds=time.monotonic() - t_start)
+        expected_samples=len(expected), samples_trained=got.trained, lost=got.lost, duplicated=got.duplicated,
+        unexpected=got.unexpected, recovery_s=recovery,
+        seconds=time.monotonic() - t_start, deduped=sum(v for k, v in dropped.items() if "duplicate" in k),
+        poison=poison, dead_letters=dead_letters)
+
+
+async def count_dead_letters(settings: Settings, expected: int, idle_s: float = 2.0) -> int:
+    """Dead letters on this namespace's ``dlq``: at least ``expected`` within the timeout, then quiet."""
+    async with TopicReader(settings, settings.topic("dlq"), "DeadLetter") as reader:
+        if expected:
+            await reader.until(lambda: len(reader.records) >= expected, 60, f"{expected} dead letters")
+        await reader.quiet(idle=idle_s, timeout=30)
+        return len(reader.records)
