@@ -26,7 +26,7 @@ from tests.unit.fuzz.fuzzing import fuzz_settings, mutated
 from tests.unit.fuzz.test_fuzz_otlp_ingest import JSON_VALUES
 
 SLOW_S = 60.0  # wall seconds (the app runs in another thread): a hang, not a loaded machine
-FAST = 150  # each example is a real request (some generate): fewer than the pure targets
+FAST = 100  # each example is a real request (some generate): fewer than the pure targets
 CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
                                       {"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
