@@ -40,6 +40,15 @@ def fuzz_settings(fast: int = FAST_EXAMPLES) -> settings:
     )
 
 
+#: Any JSON value, with the numbers and strings that break parsers more often than random ones do.
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62) | st.floats() | st.sampled_from([5e-324, 1e-300])
+    | st.text(max_size=40) | st.sampled_from(["", "5", "-1", "ab" * 16, "cd" * 8, "1e400", "SPAN_KIND_CLIENT"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
+    max_leaves=12,
+)
+
+
 @st.composite
 def mutated(draw: st.DrawFn, seeds: list[bytes]) -> bytes:
     """A valid input damaged the ways real corruption damages it: bit flips, byte overwrites,

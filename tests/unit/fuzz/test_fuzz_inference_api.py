@@ -22,8 +22,7 @@ from boltstream.inference.capture import MemorySpanSink
 from boltstream.inference.server import create_app
 from boltstream.inference.transformers_backend import TransformersBackend
 from boltstream.weights.models import tiny_model_and_tokenizer
-from tests.unit.fuzz.fuzzing import fuzz_settings, mutated
-from tests.unit.fuzz.test_fuzz_otlp_ingest import JSON_VALUES
+from tests.unit.fuzz.fuzzing import JSON_VALUES, fuzz_settings, mutated
 
 SLOW_S = 60.0  # wall seconds (the app runs in another thread): a hang, not a loaded machine
 FAST = 100  # each example is a real request (some generate): fewer than the pure targets
@@ -143,3 +142,13 @@ _QUERY_VALUE = st.sampled_from(["", "nan", "inf", "-inf", "1e309", "-1", "0", "x
                                            "timeout": st.sampled_from(["", "nan", "-inf", "-1", "0", "x", "0.01"])}))
 def test_health_query(client: TestClient, query: dict[str, str]) -> None:
     _check(client, "GET", "/health", params=query)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(client: TestClient, top_p: float) -> None:
+    """Found by this fuzzer: a top_p that rounds to 0 in float32 dropped every token (500, and every
+    other request of the same generation batch failed with it)."""
+    r = client.post("/v1/completions", json={**COMPLETION, "top_p": top_p, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    greedy = client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "logprobs": 0})
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]

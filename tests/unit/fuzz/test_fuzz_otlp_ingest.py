@@ -18,7 +18,7 @@ from boltstream.producers.otlp_decode import OtlpDecodeError
 from boltstream.producers.otlp_ingest import span_records
 from boltstream.producers.span_encoder import SpanRecordEncoder
 from boltstream.schemas import SchemaError
-from tests.unit.fuzz.fuzzing import fuzz_settings, mutated
+from tests.unit.fuzz.fuzzing import JSON_VALUES, fuzz_settings, mutated
 from tests.unit.producers.test_producers_otlp import _spec_json, sdk_spans
 
 SLOW_S = 2.0  # CPU seconds of this thread (a stalled, loaded machine does not count): a pathological loop
@@ -28,13 +28,6 @@ PROTO = encode_spans(_SPANS).SerializeToString()
 SPEC_JSON = _spec_json(_SPANS)
 PB_JSON = json.dumps(MessageToDict(encode_spans(_SPANS))).encode()
 SEEDS = [PROTO, SPEC_JSON, PB_JSON]
-
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62) | st.floats()
-    | st.text(max_size=40) | st.sampled_from(["", "5", "-1", "ab" * 16, "cd" * 8, "1e400", "SPAN_KIND_CLIENT"]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
-    max_leaves=12,
-)
 
 
 def _check(payload: bytes, encoding: str = "auto") -> None:
