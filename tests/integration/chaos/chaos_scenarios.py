@@ -245,6 +245,28 @@ async def broker_restart(pipe: Pipeline) -> tuple[str, float | None]:
     return "SIGKILL + restart of the broker (durable storage)", time.monotonic() - t0
 
 
+async def s3_stall(pipe: Pipeline, stall_s: float = 10.0) -> tuple[str, float | None]:
+    """Freeze the S3 endpoint (SIGSTOP) for ``stall_s`` from the learner's first step, so the checkpoint
+    it publishes after step 2 meets an endpoint that does not answer; then SIGCONT. With durable broker
+    storage the broker's log is in that endpoint too, so the broker stalls with it."""
+    from boltstream.config import read_state
+
+    state = read_state(Path(pipe.settings.state_file))
+    if not state:
+        raise AssertionError("the S3 scenario needs a stack state file (run it on its own stack)")
+    pid = int(state["pids"]["s3"])
+    t0 = await _mid_load(pipe)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(stall_s)  # the fault itself (an endpoint that does not answer), not synchronisation
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    after = pipe.step_count()
+    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after S3", pipe)
+    return (f"S3 endpoint frozen (SIGSTOP) {stall_s:.0f}s from the learner's first step (checkpoint every 2)",
+            time.monotonic() - t0 - stall_s)
+
+
 SCENARIOS: dict[str, Fault] = {
     "baseline": no_fault,
     "sigkill-stream-worker": _restart_after_kill(STREAM.format(0), "SIGKILL + restart of 1 of 2 stream workers"),
@@ -252,6 +274,7 @@ SCENARIOS: dict[str, Fault] = {
     "slow-learner": slow_learner,
     "poison-records": no_fault,  # the fault is in the load: see POISON_EVERY
     "sigkill-broker": broker_restart,  # benchmarks/chaos.py only: needs a stack of its own, durable
+    "s3-stall": s3_stall,  # benchmarks/chaos.py only: would freeze a shared test stack's S3
 }
 POISON_EVERY = 25  # poison-records: one undecodable record after every 25 good ones
 
