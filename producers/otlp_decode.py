@@ -91,10 +91,12 @@ def decode_proto(data: bytes) -> list[SpanInput]:
                     trace_id=sp.trace_id.hex(), span_id=sp.span_id.hex(),
                     parent_span_id=sp.parent_span_id.hex() or None, name=sp.name,
                     kind=KINDS.get(sp.kind, "INTERNAL"),
-                    start_time_ns=sp.start_time_unix_nano, end_time_ns=sp.end_time_unix_nano,
+                    start_time_ns=_nanos(sp.start_time_unix_nano, "start_time_unix_nano"),
+                    end_time_ns=_nanos(sp.end_time_unix_nano, "end_time_unix_nano"),
                     status_code=STATUS.get(sp.status.code, "UNSET"), status_message=sp.status.message or None,
                     attributes=_kvs(sp.attributes),
-                    events=tuple(SpanEventInput(e.name, e.time_unix_nano, _kvs(e.attributes)) for e in sp.events),
+                    events=tuple(SpanEventInput(e.name, _nanos(e.time_unix_nano, "time_unix_nano"), _kvs(e.attributes))
+                                 for e in sp.events),
                     resource=resource, scope_name=ss.scope.name or None, scope_version=ss.scope.version or None,
                 ))
     if not out and data and not req.resource_spans:
@@ -161,7 +163,8 @@ def _json_id(v: Any, nbytes: int, what: str) -> str | None:
 
 
 def _nanos(v: Any, what: str) -> int:
-    """A unix-nanosecond time: an Avro long, so a value past 2^63 would wrap silently in the record."""
+    """A unix-nanosecond time: an Avro long, so a value past 2^63 (a protobuf fixed64 can hold one) would
+    wrap silently in the record."""
     ns = int(v)
     if not 0 <= ns < 2**63:
         raise OtlpDecodeError(f"{what} {ns} is outside [0, 2^63)")

@@ -131,3 +131,20 @@ def _one_span_doc(**span: Any) -> bytes:
 def test_hostile_json_is_refused_with_a_reason(payload: bytes, why: str) -> None:
     with pytest.raises(OtlpDecodeError, match=why):
         decode(payload)
+
+
+@pytest.mark.parametrize("field", ["start", "end", "event"])
+def test_protobuf_times_beyond_an_avro_long_are_refused(field: str) -> None:
+    """fixed64 in OTLP, long in the Span record: 2^64-1 came out as -1 before."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = ExportTraceServiceRequest()
+    sp = req.resource_spans.add().scope_spans.add().spans.add()
+    sp.trace_id, sp.span_id, sp.name = b"a" * 16, b"b" * 8, "s"
+    sp.start_time_unix_nano, sp.end_time_unix_nano = 5, 6
+    if field == "event":
+        sp.events.add().time_unix_nano = 2**64 - 1
+    else:
+        setattr(sp, f"{field}_time_unix_nano", 2**63)
+    with pytest.raises(OtlpDecodeError, match=r"outside \[0, 2\^63\)"):
+        decode(req.SerializeToString())
