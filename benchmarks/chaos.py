@@ -65,11 +65,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="boltstream-chaos-") as tmp, embedded_stack(tmp, durable=True) as base:
         for i, name in enumerate(names):
             settings = dataclasses.replace(base, namespace=f"chaos{i}.")
-            run_sync(ensure_topics(settings))
-            s3.ensure_bucket(s3.make_client(settings), settings.s3_bucket)
             env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
             env.update(settings_env(settings, base.state_file), XDG_STATE_HOME=str(Path(tmp) / name / "state"))
             try:
+                run_sync(ensure_topics(settings))
+                s3.ensure_bucket(s3.make_client(settings), settings.s3_bucket)
                 result = asyncio.run(run_scenario(name, settings, env, Path(tmp) / name, tasks=args.tasks))
             except Exception as exc:  # report the scenario as failed, go on with the others
                 print(f"{name}: FAILED: {str(exc)[:2000]}", flush=True)

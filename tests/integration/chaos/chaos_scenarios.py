@@ -273,8 +273,8 @@ SCENARIOS: dict[str, Fault] = {
     "sigkill-learner": _restart_after_kill(LEARNER, "SIGKILL + restart of the learner (resumes from checkpoint)"),
     "slow-learner": slow_learner,
     "poison-records": no_fault,  # the fault is in the load: see POISON_EVERY
-    "sigkill-broker": broker_restart,  # benchmarks/chaos.py only: needs a stack of its own, durable
     "s3-stall": s3_stall,  # benchmarks/chaos.py only: would freeze a shared test stack's S3
+    "sigkill-broker": broker_restart,  # benchmarks/chaos.py only: needs a stack of its own, durable
 }
 POISON_EVERY = 25  # poison-records: one undecodable record after every 25 good ones
 
