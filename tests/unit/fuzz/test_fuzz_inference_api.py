@@ -82,7 +82,8 @@ def damaged_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
             key = draw(st.sampled_from(range(len(target)) if isinstance(target, list) else sorted(target)))
             if isinstance(target[key], dict) and draw(st.booleans()):
                 sub = target[key]
-                sub[draw(st.sampled_from(sorted(sub)) | st.text(max_size=8))] = draw(JSON_VALUES)
+                names = st.sampled_from(sorted(sub)) | st.text(max_size=8) if sub else st.text(max_size=8)
+                sub[draw(names)] = draw(JSON_VALUES)
             else:
                 target[key] = draw(JSON_VALUES)
         elif draw(st.integers(0, 5)) == 0:
