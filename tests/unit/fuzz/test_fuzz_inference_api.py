@@ -153,3 +153,12 @@ def test_a_top_p_below_float32_keeps_the_most_likely_token(client: TestClient, t
     assert r.status_code == 200, r.text
     greedy = client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "logprobs": 0})
     assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_temperature_below_float32_is_greedy(client: TestClient, temperature: float) -> None:
+    """Found by this fuzzer: logits / 5e-324 overflowed in float32 (500, failing the whole batch)."""
+    r = client.post("/v1/completions", json={**COMPLETION, "temperature": temperature, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    greedy = client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "logprobs": 0})
+    assert r.json()["choices"][0] == greedy.json()["choices"][0]
