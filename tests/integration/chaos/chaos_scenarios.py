@@ -188,7 +188,9 @@ async def no_fault(pipe: Pipeline) -> tuple[str, float | None]:
     return "none", None
 
 
-READY = {LEARNER: "ready: step", STREAM.format(0): "group state ready for partitions"}
+def ready_text(name: str) -> str:
+    """What a component's log says once it is ready (the learner: resumed; a stream worker: state restored)."""
+    return "ready: step" if name == LEARNER else "group state ready for partitions"
 
 
 async def _mid_load(pipe: Pipeline) -> float:
@@ -199,12 +201,26 @@ async def _mid_load(pipe: Pipeline) -> float:
     return time.monotonic()
 
 
+async def _next_step(pipe: Pipeline, what: str) -> None:
+    """Wait until the learner completes a step after now (or has finished its run)."""
+    after = pipe.step_count()
+    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, f"a learner step after {what}", pipe)
+
+
 async def _recovered(pipe: Pipeline, name: str, t0: float) -> float:
     """Seconds from ``t0`` until ``name`` is ready again and the learner completed a step after that."""
-    await until(lambda: pipe.logged(name, READY[name]), 180, f"{name} ready again", pipe)
-    after = pipe.step_count()
-    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, f"a learner step after {name}", pipe)
+    await until(lambda: pipe.logged(name, ready_text(name)), 180, f"{name} ready again", pipe)
+    await _next_step(pipe, name)
     return time.monotonic() - t0
+
+
+async def _stall(pid: int, seconds: float) -> None:
+    """SIGSTOP ``pid`` for ``seconds`` (the fault itself, not synchronisation), then SIGCONT, always."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _restart_after_kill(name: str, label: str) -> Fault:
@@ -219,14 +235,8 @@ def _restart_after_kill(name: str, label: str) -> Fault:
 async def slow_learner(pipe: Pipeline, stall_s: float = 8.0) -> tuple[str, float | None]:
     """SIGSTOP the learner while the load goes on (a backlog builds on ``batches``), then SIGCONT."""
     t0 = await _mid_load(pipe)
-    proc = pipe.procs.procs[pipe.current[LEARNER]]
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        await asyncio.sleep(stall_s)  # the fault itself (a stalled learner), not synchronisation
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-    after = pipe.step_count()
-    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after SIGCONT", pipe)
+    await _stall(pipe.procs.procs[pipe.current[LEARNER]].pid, stall_s)
+    await _next_step(pipe, "SIGCONT")
     return f"learner stopped (SIGSTOP) {stall_s:.0f}s mid-load", time.monotonic() - t0 - stall_s
 
 
@@ -240,8 +250,7 @@ async def broker_restart(pipe: Pipeline) -> tuple[str, float | None]:
     t0 = await _mid_load(pipe)
     await asyncio.to_thread(kill_broker, state_file)
     await asyncio.to_thread(restart_broker, state_file)
-    after = pipe.step_count()
-    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after the broker", pipe)
+    await _next_step(pipe, "the broker's restart")
     return "SIGKILL + restart of the broker (durable storage)", time.monotonic() - t0
 
 
@@ -256,13 +265,8 @@ async def s3_stall(pipe: Pipeline, stall_s: float = 10.0) -> tuple[str, float | 
         raise AssertionError("the S3 scenario needs a stack state file (run it on its own stack)")
     pid = int(state["pids"]["s3"])
     t0 = await _mid_load(pipe)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        await asyncio.sleep(stall_s)  # the fault itself (an endpoint that does not answer), not synchronisation
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    after = pipe.step_count()
-    await until(lambda: pipe.step_count() > after or pipe.learner_done(), 180, "a learner step after S3", pipe)
+    await _stall(pid, stall_s)
+    await _next_step(pipe, "S3 answers again")
     return (f"S3 endpoint frozen (SIGSTOP) {stall_s:.0f}s from the learner's first step (checkpoint every 2)",
             time.monotonic() - t0 - stall_s)
 
@@ -309,8 +313,7 @@ async def run_scenario(name: str, settings: Settings, env: dict[str, str], workd
             pipe.start(STREAM.format(i))
         pipe.start(LEARNER)
         # The load starts once every component is up, so the fault lands in a steady flow.
-        await until(lambda: pipe.logged(LEARNER, "ready: step 0 ") and all(
-            pipe.logged(STREAM.format(i), "group state ready for partitions") for i in range(2)), 120,
+        await until(lambda: all(pipe.logged(name, ready_text(name)) for name in pipe.current), 120,
             "the learner and both stream workers ready", pipe)
         t_load = time.monotonic()
         pipe.producing = asyncio.create_task(
