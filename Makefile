@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.boltstream-installed
 PIP_Q  := --quiet --disable-pip-version-check
 
-.PHONY: demo test test-unit test-integration bench lint format clean
+.PHONY: demo test test-unit test-integration bench chaos fuzz lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# Every fault scenario on the real pipeline; the table goes to docs/reliability.md (CHAOS_ARGS: --scenarios ...).
+chaos: $(STAMP)
+	$(PY) benchmarks/chaos.py $(CHAOS_ARGS)
+
+# The fuzz targets' long form: FUZZ_EXAMPLES inputs per target (make test runs a few hundred).
+FUZZ_EXAMPLES ?= 100000
+fuzz: $(STAMP)
+	BOLTSTREAM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/unit/fuzz \
+		--hypothesis-show-statistics $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

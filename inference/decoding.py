@@ -155,6 +155,9 @@ def sample(state: DecodeState) -> tuple[list[int], list[float]]:
         if params.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+            # The most likely token always stays: a top_p that rounds to 0 in float32 (1e-300) would
+            # drop every token, and the failed batch would fail its other requests too.
+            drop[0] = False
             pick = torch.multinomial(sorted_p.masked_fill(drop, 0.0), 1, generator=row.generator)
             tokens.append(int(order[pick]))
         else:

@@ -55,6 +55,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 MAX_N = 16
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0), as vLLM does; the span records 0 then
 MAX_STOP = 4
 # Parameters that would change the sampling distribution, with the only value accepted (their no-op).
 _NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_k": (-1, 0),
@@ -128,6 +129,8 @@ def parse_sampling(body: Mapping[str, Any], prompt_lens: list[int], max_context:
         raise ApiError(400, "'logit_bias' is not supported by this worker", param="logit_bias",
                        code="unsupported_parameter")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if temperature < GREEDY_BELOW:  # logits / 5e-324 is inf in float32: sampling would fail the whole batch
+        temperature = 0.0
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     n = _int(body, "n", 1, MAX_N) or 1
     seed = _int(body, "seed", -(2**63))

@@ -91,10 +91,12 @@ def decode_proto(data: bytes) -> list[SpanInput]:
                     trace_id=sp.trace_id.hex(), span_id=sp.span_id.hex(),
                     parent_span_id=sp.parent_span_id.hex() or None, name=sp.name,
                     kind=KINDS.get(sp.kind, "INTERNAL"),
-                    start_time_ns=sp.start_time_unix_nano, end_time_ns=sp.end_time_unix_nano,
+                    start_time_ns=_nanos(sp.start_time_unix_nano, "start_time_unix_nano"),
+                    end_time_ns=_nanos(sp.end_time_unix_nano, "end_time_unix_nano"),
                     status_code=STATUS.get(sp.status.code, "UNSET"), status_message=sp.status.message or None,
                     attributes=_kvs(sp.attributes),
-                    events=tuple(SpanEventInput(e.name, e.time_unix_nano, _kvs(e.attributes)) for e in sp.events),
+                    events=tuple(SpanEventInput(e.name, _nanos(e.time_unix_nano, "time_unix_nano"), _kvs(e.attributes))
+                                 for e in sp.events),
                     resource=resource, scope_name=ss.scope.name or None, scope_version=ss.scope.version or None,
                 ))
     if not out and data and not req.resource_spans:
@@ -132,7 +134,13 @@ def _json_value(v: Mapping[str, Any] | None) -> Any:
 
 
 def _json_kvs(items: Any) -> dict[str, Any]:
-    return {kv["key"]: _json_value(kv.get("value")) for kv in items or ()}
+    out = {}
+    for kv in items or ():
+        key = kv["key"]
+        if not isinstance(key, str):
+            raise OtlpDecodeError(f"attribute key must be a string, got {type(key).__name__} {key!r:.40}")
+        out[key] = _json_value(kv.get("value"))
+    return out
 
 
 def _json_id(v: Any, nbytes: int, what: str) -> str | None:
@@ -154,6 +162,24 @@ def _json_id(v: Any, nbytes: int, what: str) -> str | None:
     raise OtlpDecodeError(f"invalid {what} {s!r}")
 
 
+def _nanos(v: Any, what: str) -> int:
+    """A unix-nanosecond time: an Avro long, so a value past 2^63 (a protobuf fixed64 can hold one) would
+    wrap silently in the record."""
+    ns = int(v)
+    if not 0 <= ns < 2**63:
+        raise OtlpDecodeError(f"{what} {ns} is outside [0, 2^63)")
+    return ns
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    """An optional string field; anything else is refused (the record schema holds strings only)."""
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise OtlpDecodeError(f"{what} must be a string, got {type(v).__name__} {v!r:.40}")
+    return v
+
+
 def _enum(v: Any, table: Mapping[int, str], prefix: str, default: str) -> str:
     if isinstance(v, int):
         return table.get(v, default)
@@ -166,8 +192,8 @@ def _enum(v: Any, table: Mapping[int, str], prefix: str, default: str) -> str:
 def decode_json(data: bytes) -> list[SpanInput]:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise OtlpDecodeError(f"invalid OTLP JSON: {exc}") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
+        raise OtlpDecodeError(f"invalid OTLP JSON: {type(exc).__name__}: {exc}") from exc
     if not isinstance(doc, dict) or _get(doc, "resourceSpans") is None:
         raise OtlpDecodeError("OTLP JSON has no resourceSpans")
     out: list[SpanInput] = []
@@ -184,19 +210,20 @@ def decode_json(data: bytes) -> list[SpanInput]:
                         parent_span_id=_json_id(_get(sp, "parentSpanId"), 8, "parent span id"),
                         name=str(sp.get("name", "")),
                         kind=_enum(sp.get("kind", 1), KINDS, "SPAN_KIND_", "INTERNAL"),
-                        start_time_ns=int(_get(sp, "startTimeUnixNano", 0)),
-                        end_time_ns=int(_get(sp, "endTimeUnixNano", 0)),
+                        start_time_ns=_nanos(_get(sp, "startTimeUnixNano", 0), "startTimeUnixNano"),
+                        end_time_ns=_nanos(_get(sp, "endTimeUnixNano", 0), "endTimeUnixNano"),
                         status_code=_enum(status.get("code", 0), STATUS, "STATUS_CODE_", "UNSET"),
-                        status_message=status.get("message") or None,
+                        status_message=_opt_str(status.get("message"), "status message"),
                         attributes=_json_kvs(sp.get("attributes")),
-                        events=tuple(SpanEventInput(str(e.get("name", "")), int(_get(e, "timeUnixNano", 0)),
+                        events=tuple(SpanEventInput(str(e.get("name", "")),
+                                                    _nanos(_get(e, "timeUnixNano", 0), "timeUnixNano"),
                                                     _json_kvs(e.get("attributes"))) for e in sp.get("events", ())),
-                        resource=resource, scope_name=scope.get("name") or None,
-                        scope_version=scope.get("version") or None,
+                        resource=resource, scope_name=_opt_str(scope.get("name"), "scope name"),
+                        scope_version=_opt_str(scope.get("version"), "scope version"),
                     ))
     except OtlpDecodeError:
         raise
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
         raise OtlpDecodeError(f"malformed OTLP JSON: {type(exc).__name__}: {exc}") from exc
     for s in out:
         if not s.trace_id or not s.span_id:

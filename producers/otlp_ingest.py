@@ -121,21 +121,30 @@ class OtlpIngest:
         """The broker-ack futures of what ``record`` became: its spans, or its dead letter."""
         self.stats.messages += 1
         try:
-            if not record.value:
-                raise OtlpDecodeError("empty message")
-            spans = decode(record.value, self.config.encoding)
-            encoded = []
-            for inp in spans:
-                key, value, removed = encoder(normalise(inp))
-                if removed:
-                    self.stats.truncated += 1
-                encoded.append((key, value))
+            encoded, truncated = span_records(record.value, self.config.encoding, encoder)
         except Exception as exc:  # undecodable or unencodable: keep it whole, say why
             self.stats.dead_letters += 1
             return [await dlq.reject(record, f"{type(exc).__name__}: {exc}")]
+        self.stats.truncated += truncated
         futures = [await producer.send(encoder.topic, value, key=key) for key, value in encoded]
         self.stats.spans += len(futures)
         return futures
+
+
+def span_records(value: bytes | None, encoding: str, encoder: Any) -> tuple[list[tuple[bytes, bytes]], int]:
+    """One Collector message -> the (key, framed Span) pairs to produce, and how many were truncated.
+
+    Pure, so it can be fuzzed: bad input raises ``OtlpDecodeError`` (the payload) or ``SchemaError``
+    (a span the codec refuses); the ingest dead-letters the message whole on either.
+    """
+    if not value:
+        raise OtlpDecodeError("empty message")
+    encoded, truncated = [], 0
+    for inp in decode(value, encoding):
+        key, framed, removed = encoder(normalise(inp))
+        truncated += bool(removed)
+        encoded.append((key, framed))
+    return encoded, truncated
 
 
 def parser() -> argparse.ArgumentParser:

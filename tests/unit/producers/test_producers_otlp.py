@@ -109,3 +109,42 @@ def test_undecodable_payloads_raise(payload: bytes) -> None:
 def test_unknown_encoding() -> None:
     with pytest.raises(OtlpDecodeError):
         decode(b"{}", "otlp_avro")
+
+
+def _one_span_doc(**span: Any) -> bytes:
+    sp = {"traceId": "ab" * 16, "spanId": "cd" * 8, "name": "s", "startTimeUnixNano": "5", "endTimeUnixNano": "6",
+          **span}
+    return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [sp]}]}]}).encode()
+
+
+# Found by tests/unit/fuzz/test_fuzz_otlp_ingest.py: each once escaped as a non-OtlpDecodeError (or, the
+# 2^70 time, wrapped silently to 64 in the Span record).
+@pytest.mark.parametrize(("payload", "why"), [
+    (_one_span_doc(status={"message": True}), "status message must be a string"),
+    (_one_span_doc(scope=None, attributes=[{"key": None, "value": {"intValue": "1"}}]), "attribute key"),
+    (_one_span_doc(startTimeUnixNano=str(2**70)), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(endTimeUnixNano="-1"), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(events=[{"name": "e", "timeUnixNano": 2**64}]), r"outside \[0, 2\^63\)"),
+    (_one_span_doc(startTimeUnixNano=1e400), "OverflowError"),
+    (b'{"resourceSpans": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "RecursionError"),
+])
+def test_hostile_json_is_refused_with_a_reason(payload: bytes, why: str) -> None:
+    with pytest.raises(OtlpDecodeError, match=why):
+        decode(payload)
+
+
+@pytest.mark.parametrize("field", ["start", "end", "event"])
+def test_protobuf_times_beyond_an_avro_long_are_refused(field: str) -> None:
+    """fixed64 in OTLP, long in the Span record: 2^64-1 came out as -1 before."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = ExportTraceServiceRequest()
+    sp = req.resource_spans.add().scope_spans.add().spans.add()
+    sp.trace_id, sp.span_id, sp.name = b"a" * 16, b"b" * 8, "s"
+    sp.start_time_unix_nano, sp.end_time_unix_nano = 5, 6
+    if field == "event":
+        sp.events.add().time_unix_nano = 2**64 - 1
+    else:
+        setattr(sp, f"{field}_time_unix_nano", 2**63)
+    with pytest.raises(OtlpDecodeError, match=r"outside \[0, 2\^63\)"):
+        decode(req.SerializeToString())
