@@ -92,6 +92,8 @@ class Settings:
     namespace: str = opt("boltstream.", "prefix of every topic name")
     partitions: int = opt(4, "partitions of topics created by boltstream")
     replication_factor: int = opt(1, "replication factor of topics created by boltstream")
+    log_retention_ms: int = opt(-1, "retention.ms of the spans and dlq topics at creation (-1: keep forever; replay reads them)")
+    log_retention_bytes: int = opt(-1, "retention.bytes per partition of the spans and dlq topics at creation (-1: no size limit)")
     max_message_bytes: int = opt(1_000_000, "largest record produced; larger training batches are split")
     schema_registry_url: str | None = opt(None, "Confluent-compatible schema registry (none: single-object Avro)")
     s3_endpoint: str = opt("http://127.0.0.1:9000", "S3 / MinIO endpoint for checkpoints")

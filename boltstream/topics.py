@@ -35,13 +35,10 @@ from boltstream.kafka import admin_kwargs, wait_for_broker
 
 log = logging.getLogger(__name__)
 
-# Per-topic configs by short name. spans and dlq keep everything (replay / forensics);
-# checkpoints keeps the latest event per model.
-TOPIC_CONFIGS: Mapping[str, Mapping[str, str]] = {
-    "spans": {"retention.ms": "-1"},
-    "dlq": {"retention.ms": "-1"},
-    "checkpoints": {"cleanup.policy": "compact"},
-}
+# Topics that are the replayable record (spans) or forensics (dlq): their retention is
+# explicit and configurable; checkpoints keeps the latest event per model.
+RETAINED_TOPICS = ("spans", "dlq")
+TOPIC_CONFIGS: Mapping[str, Mapping[str, str]] = {"checkpoints": {"cleanup.policy": "compact"}}
 _CONFIG_REJECTED = {
     InvalidConfigurationError.errno,
     PolicyViolationError.errno,
@@ -58,8 +55,17 @@ def topic_names(settings: Settings, names: Iterable[str] | None = None) -> dict[
     return {short: settings.topic(short) for short in (names if names is not None else config.TOPICS)}
 
 
+def topic_configs(settings: Settings, short: str) -> dict[str, str]:
+    """Creation configs of one topic; spans/dlq retention comes from Settings so a week of traffic can be sized."""
+    configs = dict(TOPIC_CONFIGS.get(short, {}))
+    if short in RETAINED_TOPICS:
+        configs["retention.ms"] = str(settings.log_retention_ms)
+        configs["retention.bytes"] = str(settings.log_retention_bytes)
+    return configs
+
+
 def _new_topic(settings: Settings, short: str, full: str, with_configs: bool) -> NewTopic:
-    configs = dict(TOPIC_CONFIGS.get(short, {})) if with_configs else {}
+    configs = topic_configs(settings, short) if with_configs else {}
     return NewTopic(full, settings.partitions, settings.replication_factor, topic_configs=configs)
 
 

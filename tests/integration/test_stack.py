@@ -107,6 +107,7 @@ async def test_topics_list_describe_and_idempotent_create(settings: Settings) ->
     assert all(t["partitions"] == settings.partitions and t["error"] is None for t in described.values())
     assert described[settings.topic("checkpoints")]["configs"].get("cleanup.policy") == "compact"
     assert described[settings.topic("spans")]["configs"].get("retention.ms") == "-1"
+    assert described[settings.topic("spans")]["configs"].get("retention.bytes") == "-1"
 
     assert await ensure_topics(settings) == {name: False for name in expected}
 
