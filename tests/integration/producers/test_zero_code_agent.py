@@ -39,6 +39,7 @@ client = OpenAI(base_url=os.environ["AGENT_BASE_URL"], api_key="not-needed", max
 messages = [{"role": "user", "content": "What is 2+2?"}]
 for _ in range(2):
     reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=1.0)
+    print("completion", reply.id)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                  {"role": "user", "content": "And again?"}]
 print("turns", len(messages) // 2)
@@ -56,7 +57,7 @@ def test_readme_line_trains_a_plain_openai_agent(settings: Settings, settings_en
         (tmp_path / "agent.py").write_text(PLAIN_AGENT)
         proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py"], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0 and proc.stdout.strip() == "turns 2", proc.stderr[-3000:]
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "turns 2", proc.stderr[-3000:]
         assert "Failed to auto initialize" not in proc.stderr, proc.stderr[-3000:]
 
         def worker_calls(recs: list[Any]) -> list[dict[str, Any]]:
@@ -91,8 +92,9 @@ from boltstream.examples.sql.agent import build_graph, make_llms, run_agent
 sql_llm, answer_llm = make_llms(os.environ["AGENT_BASE_URL"], model="tiny", temperature=1.0)
 print("answer", run_agent(build_graph(sql_llm, answer_llm), sys.argv[1], 0))
 '''
-# Short timers so the test never waits on production defaults (session idle, reward hold, prompt window).
-RUNNERLESS = {"BOLTSTREAM_STREAM_SESSION_IDLE_S": "1", "BOLTSTREAM_STREAM_REWARD_TIMEOUT_S": "1",
+# Short timers so the test never waits on production defaults (session idle, prompt window). The reward
+# hold is long enough for a feedback sent after the agent exits; a rollout held for one closes on its arrival.
+RUNNERLESS = {"BOLTSTREAM_STREAM_SESSION_IDLE_S": "1", "BOLTSTREAM_STREAM_REWARD_TIMEOUT_S": "60",
               "BOLTSTREAM_STREAM_PROMPT_WINDOW_S": "1"}
 
 
@@ -101,7 +103,7 @@ def run_agent(script: str, env: dict[str, str], tmp_path: Path, *args: str) -> s
     proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py", *args], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip()
+    return proc.stdout.splitlines()[-1]
 
 
 @contextlib.contextmanager
@@ -138,23 +140,33 @@ def assert_worker_turns(traj: dict[str, Any], served: dict[str, dict[str, Any]])
         assert len(turn["response_logprobs"]) == len(turn["response_token_ids"])
 
 
-def test_a_runnerless_agent_becomes_one_trajectory_and_reaches_batches(
-        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any, boltstream_cmd: list[str]) -> None:
-    """No runner, no task: the env's rollout id names the rollout; it closes after ``session_idle_s``, waits
-    ``reward_timeout_s`` for a reward that never comes, and its task-less group gets the agent baseline."""
+def test_a_runnerless_agent_with_delayed_feedback_becomes_one_trajectory_and_reaches_batches(
+        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any, boltstream_cmd: list[str],
+        run_cli: Any) -> None:
+    """No runner, no task: the env's rollout id names the rollout; it closes after ``session_idle_s`` and is
+    held for a reward; ``boltstream feedback`` by the completion's own ``id``, sent after the agent exited,
+    is its reward; its task-less group gets the agent baseline."""
     with workers(settings, settings_env, tmp_path, boltstream_cmd) as (_, env):
-        assert run_agent(PLAIN_AGENT, {**env, "BOLTSTREAM_ROLLOUT_ID": "ro-zero-2"}, tmp_path) == "turns 2"
+        (tmp_path / "agent.py").write_text(PLAIN_AGENT)
+        proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py"],
+                              env={**env, "BOLTSTREAM_ROLLOUT_ID": "ro-zero-2"}, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "turns 2", proc.stderr[-3000:]
+        completion = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("completion ")][-1]
+        sent = run_cli("feedback", "--completion-id", completion, "--reward", "1")
+        assert sent.returncode == 0, sent.stderr[-2000:]
         trajectories = helpers.read_topic(settings, "trajectories", "Trajectory", count=1, timeout=90)
         batches = helpers.read_topic(settings, "batches", "TrainingBatch", count=1, timeout=30)
     assert len(trajectories) == 1
     key, traj = trajectories[0][1], trajectories[0][2]
-    assert (traj["rollout_id"], traj["task_id"], traj["status"], traj["final_reward"]) == ("ro-zero-2", "", "ok", None)
+    assert (traj["rollout_id"], traj["task_id"], traj["status"], traj["final_reward"]) == ("ro-zero-2", "", "ok", 1.0)
     served = served_calls(settings, helpers)
     assert len(served) == 2 and len(traj["turns"]) == 2
     assert_worker_turns(traj, served)
     assert key.startswith(b"prompt:")  # task-less: grouped by the first prompt's fingerprint
     (batch,) = [b for _, _, b in batches]
     assert {s["rollout_id"] for s in batch["samples"]} == {"ro-zero-2"} and batch["complete"]
+    assert {s["reward"] for s in batch["samples"]} == {1.0}
     assert all(s["advantage"] == 0.0 for s in batch["samples"])  # no peers, no history yet: advantage 0
 
 
@@ -166,7 +178,7 @@ def test_the_sql_langgraph_agent_standalone_trains_the_selected_node(
     containing it in time, so ``--agent-match`` picks the node."""
     question = sql_tasks.train_test(n_train=1, n_test=1, seed=5)[0][0]["question"]
     with workers(settings, settings_env, tmp_path, boltstream_cmd, "--agent-match", "^sql_writer$",
-                 "--air-rules-file", str(SQL_AIR_RULES)) as (_, env):
+                 "--air-rules-file", str(SQL_AIR_RULES), "--reward-timeout-s", "1") as (_, env):
         env.update(BOLTSTREAM_ROLLOUT_ID="sql-standalone-1",
                    OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="openai")  # LangChain's LLM spans only, as the example
         assert run_agent(SQL_AGENT, env, tmp_path, question).startswith("answer")

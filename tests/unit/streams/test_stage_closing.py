@@ -50,6 +50,20 @@ async def test_the_workers_span_without_traceparent_never_closes_a_trace() -> No
     assert not trajectories(stage) and stage.open
 
 
+async def test_a_feedback_arriving_first_never_closes_the_trace_it_rewards() -> None:
+    """Feedback has no parent, and may reach the log before the trace's own spans (another process)."""
+    stage = staged({"reward_timeout_s": 0})
+    feedback = reward_span("f1", 1.0, at=40, final=True, parent=None)
+    feedback.update(NO_IDS, attributes={**feedback["attributes"], "boltstream.feedback": True})
+    await feed(stage, [feedback])
+    await settle()
+    assert not trajectories(stage) and stage.open
+    await feed(stage, trace_spans())
+    await settle()
+    (traj,) = trajectories(stage)
+    assert (traj["final_reward"], [t["span_id"] for t in traj["turns"]]) == (1.0, ["w1"])
+
+
 async def test_env_ids_without_a_runner_close_after_session_idle_s_as_ok() -> None:
     stage = staged({"session_idle_s": 5, "reward_timeout_s": 0})
     ids = {"rollout_id": "ro-env", "attempt_id": "q7:0", "task_id": "q7"}
