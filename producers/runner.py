@@ -55,8 +55,11 @@ class RunnerConfig:
     group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task when the task does not say")
     base_url: str | None = opt(None, "OpenAI base URL of an inference worker, e.g. http://127.0.0.1:8000/v1")
     agent_name: str | None = opt(None, "boltstream.agent_name on every rollout (default: the function's name)")
-    group_id: str | None = opt(None, "consumer group (default <namespace>runners)")
-    run_id: str | None = opt(None, "prefix for attempt ids, for a deliberate second pass over the same tasks")
+    group_id: str | None = opt(None, "consumer group (default <namespace>runners, or <namespace>runners.<run id> "
+                                     "with --run-id)")
+    run_id: str | None = opt(None, "a deliberate second pass over the same tasks: attempt ids are prefixed with it, "
+                                   "and by default the pass reads the tasks topic from the start in a consumer "
+                                   "group of its own")
     rollout_timeout_s: float = opt(600.0, "time limit per attempt")
     revoke_grace_s: float = opt(2.0, "on rebalance, wait this long for running tasks")
     max_abandoned: int = opt(8, "hung sync agent threads tolerated before exiting 3")
@@ -86,7 +89,10 @@ class RunnerConfig:
 
     @property
     def group(self) -> str:
-        return self.group_id or f"{self.settings.namespace}runners"
+        if self.group_id:
+            return self.group_id
+        suffix = f".{self.run_id}" if self.run_id else ""
+        return f"{self.settings.namespace}runners{suffix}"
 
     @property
     def inflight_limit(self) -> int:

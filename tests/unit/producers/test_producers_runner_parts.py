@@ -154,3 +154,6 @@ def test_runner_config_validation() -> None:
         RunnerConfig(agent="m:f", workers=0)
     cfg = RunnerConfig(agent="m:f", workers=8, group_size=4)
     assert cfg.inflight_limit == 3 and cfg.group == "boltstream.runners"
+    # a second pass reads the tasks again in a group of its own, unless told which group
+    assert RunnerConfig(agent="m:f", run_id="p2").group == "boltstream.runners.p2"
+    assert RunnerConfig(agent="m:f", run_id="p2", group_id="g").group == "g"
