@@ -227,8 +227,11 @@ class Processes:
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``boltstream <args>`` as ``name`` (its log: ``<log_dir>/<name>.log``)."""
-        argv = [sys.executable, "-m", "boltstream.cli", *args]
-        proc = spawn(name, argv, self.log_path(name), self.env, die_with_parent=True)
+        return self.start_command(name, [sys.executable, "-m", "boltstream.cli", *args])
+
+    def start_command(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start any program as ``name`` (an agent run the way its users run it), with ``env`` added."""
+        proc = spawn(name, argv, self.log_path(name), {**self.env, **(env or {})}, die_with_parent=True)
         self.procs[name] = proc
         return proc
 

@@ -23,6 +23,8 @@ Rollout stage (spans topic, keyed by rollout id):
   never ended) waits ``rollout_timeout_s`` instead and closes ``abandoned``;
 * a rollout without the runner's root that closes without a final reward is held
   ``reward_timeout_s`` for one (delayed feedback: a reward span with its key);
+  one with no LLM call, no root and no task id (a service's other traces: a health
+  check, a web request) is neither held nor emitted, only counted (``without_llm_calls``);
   it closes as soon as one arrives, else with none (``failure_reward`` applies);
 * a rollout the pure core cannot assemble (no rollout id) or must not
   train on (a non-finite reward, bad behaviour logprobs, negative or inverted
@@ -198,6 +200,10 @@ class RolloutStage(_Stage):
         parent = item.get("parent_span_id")
         if parent and parent not in entry.items:
             waiting.add(parent)
+        if item.get("llm") is not None:
+            state["llm"] = True
+        if item.get("task_id"):
+            state["task"] = True
         if is_final_reward(item):
             state["rewarded"] = True
             if state.get("held"):
@@ -214,7 +220,8 @@ class RolloutStage(_Stage):
     def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
         """A runnerless rollout that closes without a final reward waits ``reward_timeout_s`` for one."""
         state = entry.state
-        if state.get("held") or state.get("rewarded") or state.get("root") or self.config.reward_timeout_s <= 0:
+        if (state.get("held") or state.get("rewarded") or state.get("root") or not state.get("llm")
+                or self.config.reward_timeout_s <= 0):
             return False
         state["held"], state["timed_out"] = True, timed_out
         entry.due = now + self.config.reward_timeout_s
@@ -232,6 +239,10 @@ class RolloutStage(_Stage):
         if entry.items and all(is_feedback(span) for span in entry.items.values()):
             return self.failed(entry, "unknown rollout: feedback arrived for it, but no span of the rollout itself",
                                "feedback_unknown_rollout")
+        if not (entry.state.get("llm") or entry.state.get("root") or entry.state.get("task")):
+            # a service's other traces (a health check, a web request): nothing to train, no group waits for it
+            self.stats["without_llm_calls"] += 1
+            return []
         overrides: dict[str, str] = {}
         if (timed_out or entry.state.get("timed_out")) and entry.state.get("waiting"):
             overrides = {"status": "abandoned", "error": f"no root span within {self.config.rollout_timeout_s:g}s"}

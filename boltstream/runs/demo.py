@@ -85,6 +85,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-live", action="store_true", help="plain log output instead of the live table")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the calculator agent's sampling temperature (the learner reads it from each span)")
+    p.add_argument("--zero-code", action="store_true",
+                   help="run the agent as a standalone program under opentelemetry-instrument (no runner, no "
+                        "task ids; rewards sent back as feedback by completion id): examples/calc/standalone.py")
     args = p.parse_args(argv)
     data = Path(args.out or "out/demo") / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -97,16 +100,27 @@ def main(argv: list[str]) -> int:
     # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
     # returns (streams/credit.py).
     groups_per_step = int(args.groups_per_step or 4)
+    group_size = args.group_size or 4
+    tasks_per_version = args.tasks_per_version or groups_per_step
+    stream: dict[str, Any] = {"call_credit": "episode", "air_rules_file": CALC_AIR_RULES}
+    zero_code: dict[str, Any] = {}
+    if args.zero_code:  # attempts at one question share its first prompt: the stream app groups them by it
+        stream["prompt_window_s"] = 600.0
+        zero_code["agent_program"] = (
+            "-m", "boltstream.examples.calc.standalone", "--tasks", str(data / "train.jsonl"),
+            "--base-url", "{base_url}", "--attempts", str(group_size), "--temperature", str(args.temperature),
+            "--tasks-per-version", str(tasks_per_version))
     cfg = config_from_args(
         args, Path("out/demo"), agent=CALC_AGENT, train=data / "train.jsonl",
-        test=data / "test.jsonl", steps=args.steps or 8, group_size=args.group_size or 4,
+        test=data / "test.jsonl", steps=args.steps or 8, group_size=group_size,
         eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
         time_budget_s=args.time_budget or 840.0,
         # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
-        tasks_per_version=args.tasks_per_version or groups_per_step,
+        tasks_per_version=tasks_per_version,
         learner={"lr": 1e-3, "groups_per_step": groups_per_step},
-        stream={"call_credit": "episode", "air_rules_file": CALC_AIR_RULES},
+        stream=stream,
         extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
+        **zero_code,
     )
     stop_on_sigterm()
     if args.no_live:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 # The name the worker serves and the learner publishes checkpoints under; agents ask for it.
 MODEL_NAME = "policy"
+# ``opentelemetry-instrument`` of this interpreter, run by it (a copied venv's shebangs may name another).
+INSTRUMENT = str(Path(sys.executable).with_name("opentelemetry-instrument"))
+# What an agent under ``opentelemetry-instrument`` needs to export its traces to boltstream: nothing else.
+ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,10 @@ class PipelineConfig:
     stream: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # StreamConfig overrides
     learner: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # LearnerConfig overrides
     extra_env: tuple[tuple[str, str], ...] = ()
+    # A program that plays the agent instead of the runner (zero code: the program runs under
+    # ``opentelemetry-instrument`` with env vars only, no tasks topic, no runner). ``{base_url}``
+    # in it is replaced by the worker's URL.
+    agent_program: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("group_size", "steps", "runner_workers", "eval_samples"):
@@ -96,6 +105,7 @@ class PipelineConfig:
             "tasks": ["tasks", "publish", str(self.train), "--split", "train", *group],
             "runner": ["runner", "--agent", self.agent, "--workers", str(self.runner_workers), *group,
                        "--base-url", base_url, "--spool-dir", str(self.out / "spool" / "runner"), *pacing],
+            "agent": [INSTRUMENT, sys.executable, *(a.replace("{base_url}", base_url) for a in self.agent_program)],
         }
 
     def stream_config(self) -> StreamConfig:

@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass
 from boltstream.learner.config import LearnerConfig
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
+    ZERO_CODE_ENV,
     PipelineConfig,
     component_env,
     evaluate,
@@ -136,8 +138,14 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
             train_started = time.monotonic()
-            for name in ("stream", "learner", "tasks", "runner"):
+            for name in ("stream", "learner"):
                 procs.start(name, *argv[name])
+            agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
+            if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
+                procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
+            else:
+                for name in agents:
+                    procs.start(name, *argv[name])
 
             # The after-eval costs what the before-eval did, a little more while the last checkpoint
             # loads and the other components stop: reserve that, not more (every second is training).
@@ -153,8 +161,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
 
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
-            procs.stop("runner")
-            procs.stop("tasks")
+            for name in reversed(agents):
+                procs.stop(name)
             # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
             # training on groups already in flight and the worker reloaded mid-evaluation.
             procs.stop("learner", timeout=300)

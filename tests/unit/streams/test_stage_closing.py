@@ -151,3 +151,13 @@ async def test_a_lone_taskless_trajectory_gets_its_agents_running_mean() -> None
     assert [got[a]["samples"][0]["advantage"] for a in ("s0", "s1", "s2")] == pytest.approx([0.0, -1.0, 0.0])
     assert got["s2"]["reward_mean"] == pytest.approx(0.5) and all(b["complete"] for b in got.values())
     assert stage.stats["agent_baseline"] == 3
+
+
+async def test_a_trace_without_an_llm_call_is_neither_held_nor_emitted() -> None:
+    """An instrumented service's other traces (a health check) are no rollouts: no hold, no empty trajectory."""
+    stage = staged({"reward_timeout_s": 60})
+    health = span("h0", name="GET /health", parent=None, start=0, end=1, **NO_IDS)
+    await feed(stage, [health], now=1000.0)
+    await settle()
+    assert not trajectories(stage) and not stage.open, "closed at once, not held 60 s for a reward"
+    assert stage.stats["without_llm_calls"] == 1 and stage.stats["held_for_reward"] == 0
