@@ -70,7 +70,7 @@ class StreamConfig:
                                         "for one (delayed feedback); 0: never hold")
     prompt_window_s: float = opt(60.0, "window in which task-less trajectories with the same first prompt form "
                                        "one group")
-    baseline_window: int = opt(32, "recent returns per agent behind the baseline of a task-less trajectory "
+    baseline_window: int = opt(128, "recent returns per agent behind the baseline of a task-less trajectory "
                                    "with no prompt group")
     group_size: int = opt(DEFAULT_GROUP_SIZE, "attempts per task = GRPO group size")
     forget_after_s: float = opt(3600.0, "how long 'already emitted' markers drop late duplicates")
