@@ -107,14 +107,22 @@ class Segment:
 Item = tuple[bytes, bytes, Segment, Ticket | None]
 
 
-def encode_records(records: Sequence[tuple[bytes, bytes]]) -> bytes:
-    """The on-disk form of one batch of records (pure; tested by hand)."""
+def batch_parts(records: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, bytes, bytes]:
+    """The on-disk form of one batch of records, in the three parts written one after the other.
+
+    Pure; not joined, because a batch is ~0.5 MB and one more copy of it cost as much as its CRC.
+    """
     lengths = array("I", map(len, itertools.chain.from_iterable(records)))
     if sys.byteorder == "big":
         lengths.byteswap()
     head, payload = lengths.tobytes(), b"".join(itertools.chain.from_iterable(records))
     crc = zlib.crc32(payload, zlib.crc32(head))
-    return b"".join((BATCH.pack(crc, len(records), len(head) + len(payload)), head, payload))
+    return BATCH.pack(crc, len(records), len(head) + len(payload)), head, payload
+
+
+def encode_records(records: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """The on-disk form of one batch of records as one string (tested by hand)."""
+    return b"".join(batch_parts(records))
 
 
 def decode_records(data: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
@@ -231,13 +239,14 @@ class Spool:
             if future is not None and not future.done():
                 future.set_result(None)
             return None
-        data = encode_records(records)
+        parts = batch_parts(records)
+        size = sum(map(len, parts))
         seg = self._active
-        if seg is None or (seg.size and seg.size + len(data) > self.segment_bytes):
+        if seg is None or (seg.size and seg.size + size > self.segment_bytes):
             seg = self._roll()
-        self._make_room(len(data))
+        self._make_room(size)
         assert self._fh is not None
-        self._fh.write(data)
+        self._fh.writelines(parts)
         self._fh.flush()
         if self.fsync:
             os.fsync(self._fh.fileno())
@@ -247,8 +256,8 @@ class Spool:
         seg.cache.extend(zip(map(itemgetter(0), records), map(itemgetter(1), records),
                              itertools.repeat(seg, n), itertools.repeat(ticket, n), strict=True))
         seg.count += len(records)
-        seg.size += len(data)
-        self._bytes += len(data)
+        seg.size += size
+        self._bytes += size
         with self._cond:
             self._pending += len(records)
         with self.counters.lock:
