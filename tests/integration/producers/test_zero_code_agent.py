@@ -171,21 +171,28 @@ def test_a_runnerless_agent_with_delayed_feedback_becomes_one_trajectory_and_rea
 
 
 def test_the_sql_langgraph_agent_standalone_trains_the_selected_node(
-        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any, boltstream_cmd: list[str]) -> None:
+        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any, boltstream_cmd: list[str],
+        run_cli: Any) -> None:
     """The SQL example's LangGraph agent run as a plain script, no runner, one env id. LangChain's callbacks
     never make a span current, so each HTTP call (and the worker's span under it) begins a trace of its own:
     the env id keeps them in one rollout, and the stream app places each call under the LangChain span
-    containing it in time, so ``--agent-match`` picks the node."""
+    containing it in time, so ``--agent-match`` picks the node. Its reward comes later, by rollout id."""
     question = sql_tasks.train_test(n_train=1, n_test=1, seed=5)[0][0]["question"]
     with workers(settings, settings_env, tmp_path, boltstream_cmd, "--agent-match", "^sql_writer$",
-                 "--air-rules-file", str(SQL_AIR_RULES), "--reward-timeout-s", "1") as (_, env):
+                 "--air-rules-file", str(SQL_AIR_RULES)) as (_, env):
         env.update(BOLTSTREAM_ROLLOUT_ID="sql-standalone-1",
                    OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="openai")  # LangChain's LLM spans only, as the example
         assert run_agent(SQL_AGENT, env, tmp_path, question).startswith("answer")
+        sent = run_cli("feedback", "--rollout-id", "sql-standalone-1", "--reward", "0.5")
+        assert sent.returncode == 0, sent.stderr[-2000:]
         trajectories = helpers.read_topic(settings, "trajectories", "Trajectory", count=1, timeout=90)
+        batches = helpers.read_topic(settings, "batches", "TrainingBatch", count=1, timeout=30)
     (traj,) = [t for _, _, t in trajectories]
     served = served_calls(settings, helpers)
     assert len(served) == 2, "one call per LangGraph node"
     assert (traj["rollout_id"], traj["task_id"], traj["status"]) == ("sql-standalone-1", "", "ok")
+    assert traj["final_reward"] == 0.5
     assert_worker_turns(traj, served)
     assert [t["agent_name"] for t in traj["turns"]] == ["sql_writer"] and traj["dropped_calls"] == []
+    (batch,) = [b for _, _, b in batches]
+    assert [s["rollout_id"] for s in batch["samples"]] == ["sql-standalone-1"]
