@@ -17,16 +17,7 @@ from .air import (
     air_rules_from_yaml,
     evaluate_air,
 )
-from .assembly import (
-    VIRTUAL_ROOT_ID,
-    AssemblyError,
-    AssemblyStats,
-    SpanTree,
-    assemble_trajectory,
-    assemble_trajectory_with_stats,
-    build_span_tree,
-    dedupe_spans,
-)
+from .assembly import AssemblyStats, assemble_trajectory, assemble_trajectory_with_stats
 from .credit import (
     GroupCredit,
     RolloutReturns,
@@ -49,6 +40,7 @@ from .grouping import (
     split_samples,
 )
 from .settings import AssemblyConfig, CreditConfig
+from .span_tree import VIRTUAL_ROOT_ID, AssemblyError, SpanTree, build_span_tree, dedupe_spans
 from .spans import (
     attr,
     has_token_ids,

@@ -23,7 +23,7 @@ from boltstream.examples.sql import tasks as sql_tasks
 from boltstream.runs.pipeline import PipelineConfig, read_jsonl
 from boltstream.runs.train import run
 from boltstream.stack import settings_env as to_env
-from boltstream.streams.assembly import build_span_tree
+from boltstream.streams.span_tree import build_span_tree
 from boltstream.streams.spans import attr, has_token_ids, inherited_agent_names
 from tests.integration.conftest import read_topic
 
