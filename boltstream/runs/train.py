@@ -170,6 +170,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             summary["train_s"] = round(time.monotonic() - train_started, 1)
             final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
             summary["learner_steps"] = len(rows)
+            summary["learner_peak_rss_mb"] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
             if final_version:
                 wait_until(lambda: (worker_version(port) or 0) >= final_version, 120,
                            f"the worker to load policy version {final_version}", procs)
@@ -259,4 +260,5 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(f"improvement: {summary['improvement']:+.3f} ± {summary['improvement_se']:.3f} "
                     "(paired over the same held-out tasks)")
     Console().print(f"learner steps: {summary.get('learner_steps')}, policy version served: "
-                    f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s")
+                    f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s, "
+                    f"learner peak RSS: {summary.get('learner_peak_rss_mb')} MiB")

@@ -36,6 +36,7 @@ def test_step_record_is_plain_json_with_ids_staleness_and_drops() -> None:
     assert (r["reward_mean"], r["advantage_min"], r["advantage_max"]) == (0.5, -1.0, 1.0)
     assert r["staleness"] == {"0": 1, "2": 1} and r["dropped"] == {"stale": 1}
     assert r["wall_tokens_per_s"] == 50.0
+    assert 10 < r["peak_rss_mb"] < 1e6  # this test process: tens of MiB at least, never KiB read as MiB
     json.dumps(r, allow_nan=False)
     assert "step 3 v3" in format_step(r) and "gnorm nan" in format_step(r)
 
