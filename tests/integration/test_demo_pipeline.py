@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from boltstream.examples.calc.tasks import train_test
@@ -42,3 +43,21 @@ def test_two_learner_steps_reach_the_worker(tmp_path: Path) -> None:
     assert (cfg.out / "curve.png").stat().st_size > 0
     saved = json.loads((cfg.out / "summary.json").read_text())
     assert {"before", "after"} <= saved.keys() and "se" in saved["after"]
+
+
+def test_zero_code_demo_trains_a_standalone_agent(tmp_path: Path, boltstream_cmd: list[str]) -> None:
+    """``boltstream demo --zero-code`` as typed: the calculator agent as a program under
+    ``opentelemetry-instrument``, no runner and no task ids, its rewards sent back as feedback by
+    completion id; the stream app groups attempts by their first prompt and the learner steps."""
+    out = tmp_path / "zc"
+    proc = subprocess.run([*boltstream_cmd, "demo", "--zero-code", "--model", "tiny", "--steps", "2", "--no-live",
+                           "--eval-tasks", "2", "--eval-samples", "1", "--time-budget", "300", "--out", str(out)],
+                          capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "step"]
+    assert [r["step"] for r in steps][:2] == [1, 2] and all(r["samples"] > 0 for r in steps)
+    assert not (out / "logs" / "runner.log").exists(), "no runner in a zero-code run"
+    counters = [line for line in (out / "logs" / "stream.log").read_text().splitlines() if "stream counters" in line]
+    assert "'rollout.dropped_calls': 0" in counters[-1], counters[-1]
+    assert "refused" not in (out / "logs" / "agent.log").read_text(), "every feedback was accepted (202)"
+    assert json.loads((out / "summary.json").read_text())["learner_peak_rss_mb"] > 0
