@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 MODEL_NAME = "policy"
 # ``opentelemetry-instrument`` of this interpreter, run by it (a copied venv's shebangs may name another).
 INSTRUMENT = str(Path(sys.executable).with_name("opentelemetry-instrument"))
-# What an agent under ``opentelemetry-instrument`` needs to export its traces to boltstream: nothing else.
-ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream"}
+# What an agent under ``opentelemetry-instrument`` needs to export its traces to boltstream, plus the
+# standard exclusion that keeps the program's own plumbing (pacing polls, feedback posts) off the log.
+ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream", "OTEL_PYTHON_EXCLUDED_URLS": "/health,/feedback"}
 
 
 @dataclasses.dataclass(frozen=True)
