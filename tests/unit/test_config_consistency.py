@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,10 @@ def compose_started(service: str) -> tuple[str, Any, dict[str, str]]:
 def test_compose_services_run_with_the_settings_train_gives_them(run_cfg: PipelineConfig, service: str) -> None:
     component, config, _ = compose_started(service)
     assert values(config) == values(train_started(run_cfg, component))
+
+
+def test_a_zero_code_run_starts_the_agent_program_under_opentelemetry_instrument(run_cfg: PipelineConfig) -> None:
+    cfg = dataclasses.replace(run_cfg, agent_program=("-m", "agent_module", "--base-url", "{base_url}"))
+    argv = cfg.argv(base_url="http://127.0.0.1:9999/v1")["agent"]
+    assert Path(argv[0]).name == "opentelemetry-instrument" and argv[1] == sys.executable
+    assert argv[2:] == ["-m", "agent_module", "--base-url", "http://127.0.0.1:9999/v1"]
