@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
@@ -59,6 +60,8 @@ class DeadLetterWriter:
         self.counts: collections.Counter[str] = collections.Counter()
         self.acked = 0
         self.failed = 0
+        # A DeadLetter's timestamp: the wall clock, or a replay's event clock (its output is repeatable).
+        self.clock_ns: Callable[[], int] = time.time_ns
         self._producer = producer
         self._send = send
         self._owns_producer = producer is None and send is None
@@ -97,7 +100,8 @@ class DeadLetterWriter:
                value: bytes | None) -> bytes:
         """The framed DeadLetter bytes, for a caller that sends them with its other outputs."""
         record = records.dead_letter(reason, component=self.component, topic=topic, partition=partition,
-                                     offset=offset, key=key, value=value, max_bytes=self.max_bytes)
+                                     offset=offset, key=key, value=value, max_bytes=self.max_bytes,
+                                     now_ns=self.clock_ns())
         return self.codec.encode("DeadLetter", record, topic=self.topic)  # type: ignore[no-any-return]
 
     async def send(self, reason: str, *, topic: str, partition: int, offset: int, key: bytes | None,

@@ -39,7 +39,7 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -107,6 +107,9 @@ class Accumulator:
         self.stats: collections.Counter[str] = collections.Counter()
         self._forget: collections.deque[tuple[float, int, bytes]] = collections.deque()
         self._pending: set[asyncio.Task[None]] = set()
+        # Where a close reads the time (markers, retries, a batch's created_ns): the wall clock when
+        # live; a replay sets its event clock here, so its output does not depend on when it ran.
+        self.clock_ns: Callable[[], int] = time.time_ns
 
     # ------------------------------------------------------------- subclass hooks
 
@@ -120,8 +123,12 @@ class Accumulator:
     def on_item(self, entry: Entry, item: dict[str, Any], now: float) -> None:
         """Update ``entry.due`` after ``item`` was added (or restored)."""
 
-    def expired(self, entry: Entry, now: float) -> bool:
+    def expires_at(self, entry: Entry) -> float:
+        """When an entry with no ``due`` times out (it closes with ``timed_out=True``)."""
         raise NotImplementedError
+
+    def expired(self, entry: Entry, now: float) -> bool:
+        return now >= self.expires_at(entry)
 
     def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
         """True to keep an entry that is due (or expired) open a while longer; it must then set ``entry.due``."""
@@ -234,7 +241,7 @@ class Accumulator:
     async def close_all(self, closing: Sequence[tuple[Entry, bool]], now: float | None = None) -> None:
         """Emit the outputs of several (entry, timed_out) unless :meth:`hold` keeps them open; one task
         finishes them all once acked."""
-        now = time.time() if now is None else now
+        now = self.clock_ns() / 1e9 if now is None else now
         sent = []
         for entry, timed_out in closing:
             if entry.closing or self.hold(entry, timed_out, now):
@@ -277,13 +284,13 @@ class Accumulator:
                     "%s %s: output not acknowledged (%s); retrying in %.0fs", self.kind, entry.key, exc, RETRY_AFTER_S
                 )
                 entry.closing = False
-                entry.due = time.time() + RETRY_AFTER_S
+                entry.due = self.clock_ns() / 1e9 + RETRY_AFTER_S
                 self.stats["retried"] += 1
                 continue
             acked.append((entry, timed_out))
         if not acked:
             return
-        now = time.time()
+        now = self.clock_ns() / 1e9
         marked = []
         for entry, timed_out in acked:
             marker_key = make_key(entry.partition, entry.key)
@@ -325,16 +332,29 @@ class Accumulator:
                 await self.markers.delete(partition, marker_key)
                 self.stats["forgotten"] += 1
 
+    def next_deadline(self, forget: bool = True) -> float | None:
+        """The earliest time at which :meth:`tick` would close an entry (with ``forget``: or drop a marker).
+
+        Why: a replay runs on event time and fires its timer only where something is due,
+        not every ``tick_s`` across the gaps of a range.
+        """
+        times = [e.due if e.due is not None else self.expires_at(e) for e in self.open.values() if not e.closing]
+        if forget and self._forget:
+            times.append(self._forget[0][0] + self.forget_after_s)
+        return min(times, default=None)
+
     # ------------------------------------------------------------- rebalance
 
     def revoke(self) -> None:
         """A rebalance started: stop timer work until :meth:`rebuild`."""
         self.ready = False
 
-    async def drain(self, timeout: float) -> None:
-        """Wait (bounded) for closes in flight, so their markers land before partitions move."""
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=timeout)
+    async def drain(self, timeout: float) -> bool:
+        """Wait (bounded) for closes in flight, so their markers land before partitions move; True if all did."""
+        if not self._pending:
+            return True
+        _, pending = await asyncio.wait(list(self._pending), timeout=timeout)
+        return not pending
 
     async def rebuild(self, active: set[int], now: float) -> None:
         """Re-derive the in-memory view from the recovered store for the ``active`` partitions."""

@@ -55,7 +55,6 @@ worker or by hand) is dead-lettered alone, so its group closes without it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,9 +212,9 @@ class RolloutStage(_Stage):
         if entry.due is None and (root or (item.get("trace_id") == entry.key and is_local_root(item))):
             entry.due = now + self.config.grace_s
 
-    def expired(self, entry: Entry, now: float) -> bool:
+    def expires_at(self, entry: Entry) -> float:
         limit = self.config.rollout_timeout_s if entry.state.get("waiting") else self.config.session_idle_s
-        return now - entry.last_seen >= limit
+        return entry.last_seen + limit
 
     def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
         """A runnerless rollout that closes without a final reward waits ``reward_timeout_s`` for one."""
@@ -291,9 +290,9 @@ class GroupStage(_Stage):
         if entry.due is None and len(entry.items) >= self.config.group_size:
             entry.due = now
 
-    def expired(self, entry: Entry, now: float) -> bool:
+    def expires_at(self, entry: Entry) -> float:
         window = self.config.prompt_window_s if entry.key.startswith(PROMPT_PREFIX) else self.config.group_timeout_s
-        return now - entry.first_seen >= window
+        return entry.first_seen + window
 
     def outputs(self, entry: Entry, timed_out: bool) -> Sequence[Output]:
         trajectories = list(entry.items.values())
@@ -316,7 +315,7 @@ class GroupStage(_Stage):
             complete=True if taskless else None,  # a task-less group is whatever its window gathered
             max_bytes=self.config.batch_bytes,
             batch_id=batch_id_for(entry.key, entry.items) if taskless else None,
-            created_ns=time.time_ns(),
+            created_ns=self.clock_ns(),
             baseline=baseline,
         )
         self.stats["samples"] += sum(len(b["samples"]) for b in batches)
