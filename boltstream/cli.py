@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "feedback": ("boltstream.producers.feedback_cli", "send a reward for a rollout that already ran (by completion id)"),
     "serve": ("boltstream.inference.cli", "OpenAI-compatible inference worker with token capture"),
     "stream": ("boltstream.streams.cli", "the stream app: spans -> trajectories -> training batches"),
+    "replay": ("boltstream.streams.replay_cli", "re-run the stream stages over a range of spans with another configuration"),
     "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints"),
     "train": ("boltstream.runs.train", "train your own agent end to end"),
     "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),

@@ -18,12 +18,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     InvalidConfigurationError,
     PolicyViolationError,
     TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
     UnsupportedVersionError,
     for_code,
 )
@@ -31,7 +33,7 @@ from aiokafka.errors import (
 from boltstream import config
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
-from boltstream.kafka import admin_kwargs, wait_for_broker
+from boltstream.kafka import admin_kwargs, consumer_kwargs, log_end_offsets, wait_for_broker
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,75 @@ async def _wait_for_metadata(admin: AIOKafkaAdminClient, names: list[str], timeo
         if time.monotonic() > deadline:
             raise TopicError(f"topics not visible in broker metadata after {timeout:.0f}s: {missing}")
         await asyncio.sleep(0.05)
+
+
+async def held_records(settings: Settings, topics: Iterable[str]) -> dict[str, int]:
+    """Full topic name -> records it holds (log end - log start, all partitions), for those that exist.
+
+    Existence comes from a listing of every topic, never from a metadata request naming the
+    topic, which makes a broker with auto-creation (Tansu) create it.
+    """
+    admin = AIOKafkaAdminClient(**admin_kwargs(settings))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        present = [t for t in topics if t in existing]
+        described = await admin.describe_topics(present) if present else []
+    finally:
+        await admin.close()
+    tps = [TopicPartition(t["topic"], p["partition"]) for t in described for p in t["partitions"]]
+    held = dict.fromkeys(present, 0)
+    if not tps:
+        return held
+    consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
+    await consumer.start()
+    try:
+        first = await consumer.beginning_offsets(tps)
+    finally:
+        await consumer.stop()
+    for tp, end in (await log_end_offsets(settings, tps)).items():
+        held[tp.topic] += max(0, end - first[tp])
+    return held
+
+
+async def recreate_topics(settings: Settings, names: Iterable[str], timeout: float = 30.0) -> None:
+    """Delete the namespaced topics ``names`` and create them again, empty (``boltstream replay --overwrite``).
+
+    Why a loop: deletion is asynchronous on Kafka (a create fails until it is done), and Tansu
+    re-creates a deleted topic, with the broker's defaults, on the next metadata request that
+    names it (any client still polling it). So: delete what exists, create; accept the result
+    only once every topic exists with ``settings.partitions`` partitions and holds no record,
+    else delete again, up to ``timeout``. A topic the broker re-created before us keeps the
+    broker's configs (logged).
+    """
+    wanted = topic_names(settings, names)
+    deadline = time.monotonic() + timeout
+    while True:
+        admin = AIOKafkaAdminClient(**admin_kwargs(settings))
+        await admin.start()
+        try:
+            present = sorted(set(await admin.list_topics()) & set(wanted.values()))
+            if present:
+                resp = await admin.delete_topics(present)
+                for name, code, *_ in resp.topic_error_codes:
+                    if code not in (0, UnknownTopicOrPartitionError.errno):
+                        raise TopicError(f"cannot delete topic {name}: {for_code(code).message}")
+        finally:
+            await admin.close()
+        created = await ensure_topics(settings, list(wanted), timeout=max(1.0, deadline - time.monotonic()))
+        held = await held_records(settings, wanted.values())
+        partitions = {t["topic"]: t["partitions"] for t in await describe_topics(settings, wanted.values())}
+        stale = {name: f"{held.get(name, 0)} records, {partitions.get(name, 0)} partitions"
+                 for name in wanted.values() if held.get(name, 0) or partitions.get(name) != settings.partitions}
+        if not stale:
+            for name in (n for n, fresh in created.items() if not fresh and n in present):
+                log.warning("topic %s was re-created by the broker before us (auto-creation): it is empty, with "
+                            "the broker's default configs", name)
+            return
+        if time.monotonic() > deadline:
+            raise TopicError(f"could not recreate {sorted(stale)} empty within {timeout:.0f}s: {stale}")
+        log.info("recreated topics not empty yet (%s); deleting again", stale)
+        await asyncio.sleep(0.2)
 
 
 async def list_topics(settings: Settings, all_topics: bool = False) -> list[str]:
