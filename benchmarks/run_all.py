@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("bench_exporter.py", "bench_stream.py", "bench_serving.py", "bench_reload.py", "bench_propagation.py", "bench_baselines.py",
+BENCHMARKS = ("bench_exporter.py", "bench_stream.py", "bench_replay.py", "bench_serving.py", "bench_reload.py", "bench_propagation.py", "bench_baselines.py",
               "bench_vs_bare.py")
 
 
