@@ -107,8 +107,7 @@ class Accumulator:
         self.stats: collections.Counter[str] = collections.Counter()
         self._forget: collections.deque[tuple[float, int, bytes]] = collections.deque()
         self._pending: set[asyncio.Task[None]] = set()
-        # Where a close reads the time (markers, retries, a batch's created_ns): the wall clock when
-        # live; a replay sets its event clock here, so its output does not depend on when it ran.
+        # The time a close reads (markers, retries, created_ns): wall clock live, event time in a replay.
         self.clock_ns: Callable[[], int] = time.time_ns
 
     # ------------------------------------------------------------- subclass hooks
@@ -126,9 +125,6 @@ class Accumulator:
     def expires_at(self, entry: Entry) -> float:
         """When an entry with no ``due`` times out (it closes with ``timed_out=True``)."""
         raise NotImplementedError
-
-    def expired(self, entry: Entry, now: float) -> bool:
-        return now >= self.expires_at(entry)
 
     def hold(self, entry: Entry, timed_out: bool, now: float) -> bool:
         """True to keep an entry that is due (or expired) open a while longer; it must then set ``entry.due``."""
@@ -322,7 +318,7 @@ class Accumulator:
                 continue
             if entry.due is not None and now >= entry.due:
                 closing.append((entry, False))
-            elif entry.due is None and self.expired(entry, now):
+            elif entry.due is None and now >= self.expires_at(entry):
                 closing.append((entry, True))
         if closing:
             await self.close_all(closing, now)
@@ -333,11 +329,9 @@ class Accumulator:
                 self.stats["forgotten"] += 1
 
     def next_deadline(self, forget: bool = True) -> float | None:
-        """The earliest time at which :meth:`tick` would close an entry (with ``forget``: or drop a marker).
+        """When :meth:`tick` would next close an entry (with ``forget``: or drop a marker); None: never.
 
-        Why: a replay runs on event time and fires its timer only where something is due,
-        not every ``tick_s`` across the gaps of a range.
-        """
+        A replay (event time) fires its timer only there, not every ``tick_s`` across a gap."""
         times = [e.due if e.due is not None else self.expires_at(e) for e in self.open.values() if not e.closing]
         if forget and self._forget:
             times.append(self._forget[0][0] + self.forget_after_s)

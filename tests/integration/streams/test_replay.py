@@ -2,8 +2,9 @@
 
 * ~50 rollouts go through a real stream worker; two replays of ``spans`` with gamma and the
   AIR rules changed give batches equal to the pure core applied to the same spans with the
-  new settings, and byte-identical to each other; the live ``batches`` topic and the worker's
-  committed offsets are the same before and after, and no consumer group appeared.
+  new settings, and byte-identical to each other; a replay with the live settings gives the
+  live samples; the live ``batches`` topic and the worker's committed offsets are the same
+  before and after, and no consumer group appeared.
 * A replay SIGKILLed half-way and run again with ``--overwrite`` leaves exactly what an
   uninterrupted replay writes, record for record.
 * Bad input (an empty range, offsets out of range, an unknown topic, a namespace holding data
@@ -157,6 +158,11 @@ async def test_replay_with_new_settings_matches_the_reference_and_leaves_the_liv
 
     replay_json(run_cli, "--namespace", second_ns, "--air-rules-file", str(rules), *NEW_SETTINGS)
     assert await raw_records(in_namespace(settings, second_ns), "batches") == first, "not byte-identical"
+
+    same_ns = f"{settings.namespace}same."  # the live settings: the live samples again
+    replay_json(run_cli, "--namespace", same_ns, "--group-size", str(GROUP))
+    same = samples_of(decode(await raw_records(in_namespace(settings, same_ns), "batches"), "TrainingBatch"))
+    assert {s["sample_id"]: s for s in same} == live
 
     assert await raw_records(settings, "batches") == live_before
     groups_after = await group_state(settings, app_id)
