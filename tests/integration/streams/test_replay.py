@@ -198,6 +198,7 @@ async def test_a_replay_killed_half_way_and_run_again_writes_what_an_uninterrupt
         proc.wait(timeout=KILL_TIMEOUT)
         log.close()
     partial = sum(map(len, (await raw_records(killed_settings, "batches")).values()))
+    print(f"\nkill-and-rerun: killed with {partial} of {total} batch records written")
     assert 0 < partial < total, f"killed with {partial} of {total} batches written"
 
     refused = run_cli("replay", "--namespace", killed_ns, *args)
