@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -73,6 +74,7 @@ def main() -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
     p.add_argument("--tasks", type=int, default=16, help="GRPO groups of 4 rollouts per scenario")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
+    p.add_argument("--keep", type=Path, default=None, help="run in this folder and keep it (logs, spools, metrics)")
     p.add_argument("--memory", action="store_true",
                    help="in-memory broker storage (faster; the broker and S3 scenarios need durable storage)")
     args = p.parse_args()
@@ -83,7 +85,9 @@ def main() -> int:
         p.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     results: list[Result] = []
     failed = False
-    with tempfile.TemporaryDirectory(prefix="boltstream-chaos-") as tmp, embedded_stack(tmp, durable=not args.memory) as base:
+    scratch = (contextlib.nullcontext(str(args.keep)) if args.keep
+               else tempfile.TemporaryDirectory(prefix="boltstream-chaos-"))
+    with scratch as tmp, embedded_stack(tmp, durable=not args.memory) as base:
         for i, name in enumerate(names):
             settings = dataclasses.replace(base, namespace=f"chaos{i}.")
             env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}

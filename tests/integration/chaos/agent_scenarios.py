@@ -19,7 +19,7 @@ Scenarios (one fault each, landing while attempts still run):
 * ``sigkill-inference``: SIGKILL the inference worker while a call is in flight, start it again on
   the same port and spool; the agent's failed calls are tried again.
 * ``s3-refused``: the learner and the inference worker reach S3 through a TCP proxy; it is closed
-  (connections refused, open ones reset) for 10 s from the learner's first step, across the
+  (connections refused, open ones reset) from the learner's first step until 10 s into the
   checkpoint it publishes after step 2. The learner must retry the upload; the worker must keep
   answering with the version it had (its ``/health`` is read throughout).
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -149,6 +150,15 @@ class AgentPipeline(Pipeline):
             return self.logged(name, ": ok in ")
         return super().ready(name)
 
+    def counter(self, name: str) -> int:
+        """A stream counter summed over the stream workers' incarnations (each logs it cumulatively)."""
+        total = 0
+        for path in (self.workdir / "logs").glob("stream-*.log"):
+            lines = [line for line in path.read_text(errors="replace").splitlines() if "stream counters" in line]
+            if lines and (m := re.search(rf"'{re.escape(name)}': (\d+)", lines[-1])):
+                total += int(m.group(1))
+        return total
+
     def agent_events(self) -> list[dict[str, Any]]:
         if not self.agent_log.exists():
             return []
@@ -204,22 +214,29 @@ async def sigkill_inference(pipe: AgentPipeline) -> tuple[str, float | None]:
     pipe.start(INFERENCE)
     await until(lambda: pipe.ready(INFERENCE), 180, "the inference worker ready again", pipe)
     await _next_step(pipe, INFERENCE)
-    return (f"SIGKILL + restart of the inference worker with {len(calls)} call(s) in flight (agents retry)",
-            time.monotonic() - t0)
+    failed = {(e["attempt_id"], e["call"]) for e in pipe.agent_events() if e["event"] == "retry"}
+    return (f"SIGKILL + restart of the inference worker, {len(calls)} call(s) in flight; {len(failed)} call(s) "
+            "failed and were retried by the agents", time.monotonic() - t0)
 
 
 async def s3_refused(pipe: AgentPipeline, down_s: float = 10.0) -> tuple[str, float | None]:
+    """Refuse S3 from the learner's first step until ``down_s`` after its second (the checkpoint it then
+    publishes meets a refused endpoint for at least ``down_s``), reading the worker's version meanwhile."""
     proxy = pipe.proxy
     assert proxy is not None
     await _mid_load(pipe)
     before = worker_version(pipe.port)
     answered_before = sum(1 for e in pipe.agent_events() if e["event"] == "ok")
     await proxy.close()
-    t_closed, seen = time.monotonic(), set()
+    t_closed, t_publish, seen = time.monotonic(), None, set()
     try:
-        while time.monotonic() - t_closed < down_s:  # the fault's duration, reading the worker meanwhile
+        while t_publish is None or time.monotonic() - t_publish < down_s:
+            if t_publish is None and pipe.step_count() >= 2:
+                t_publish = time.monotonic()  # the learner publishes v2 right after its step 2
+            if time.monotonic() - t_closed > 180:
+                raise AssertionError(f"no learner step 2 within 180s of closing S3\n{pipe.logs()}")
             seen.add(worker_version(pipe.port))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the fault's duration, reading the worker meanwhile
     finally:
         await proxy.open()
     t_open = time.monotonic()
@@ -233,8 +250,9 @@ async def s3_refused(pipe: AgentPipeline, down_s: float = 10.0) -> tuple[str, fl
     if not retries:
         raise AssertionError(f"the learner never met the refused endpoint: the fault missed the publish\n{pipe.logs()}")
     await until(lambda: (worker_version(pipe.port) or 0) > (before or 0), 180, "the worker on a new version", pipe)
-    return (f"S3 refusing connections {down_s:.0f}s from the learner's first step: learner retried {retries}x, "
-            f"worker served v{before} throughout ({answered} calls answered)", time.monotonic() - t_open)
+    return (f"S3 refusing connections {t_open - t_closed:.0f}s, from the learner's first step to {down_s:.0f}s into "
+            f"the publish after step 2: the learner retried {retries}x; the worker served v{before} throughout "
+            f"({answered} calls answered)", time.monotonic() - t_open)
 
 
 AGENT_SCENARIOS: dict[str, Fault] = {
@@ -280,6 +298,9 @@ async def run_agent_scenario(name: str, settings: Settings, env: dict[str, str],
         pipe.close()
         if proxy is not None:
             await proxy.close()
+    other_runs = pipe.counter("rollout.other_run_spans")
+    if other_runs:
+        faults += f"; {other_runs} span(s) of dead runs left out"
     steps = pipe.steps()
     expected = expected_samples(todo)
     got = reconcile(expected, steps)
