@@ -1,12 +1,14 @@
 """``make chaos``: every fault scenario on the real pipeline, reconciled, as a table.
 
     .venv/bin/python benchmarks/chaos.py [--scenarios a,b,...] [--tasks 16] [--out docs/reliability.md]
+                                         [--keep DIR] [--memory]
 
 Starts a private embedded stack with durable broker storage (``stack up --durable``: the broker
-scenario needs its log to survive), runs each scenario of
-``tests/integration/chaos/chaos_scenarios.py`` in a namespace of its own (fresh topics), prints the
-table (scenario, load held, faults, rollouts in, samples trained, lost, duplicated, deduped,
-recovery time) and writes it, with this command, between the markers of ``--out``.
+scenario needs its log to survive; ``--memory`` for a faster one without it), runs each scenario of
+``tests/integration/chaos/chaos_scenarios.py`` and ``agent_scenarios.py`` in a namespace of its own
+(fresh topics), prints the table (scenario, load held, faults, rollouts in, samples trained, lost,
+duplicated, deduped, recovery time) and writes it, with this command, between the markers of
+``--out``: a run of some scenarios replaces their rows and keeps the others.
 The fast form (two scenarios, asserting lost = duplicated = 0) runs in ``make test`` as
 ``tests/integration/chaos/test_chaos_fast.py``.
 """
@@ -108,7 +110,7 @@ def main() -> int:
     for r in results:
         print(r.row())
     full = set(names) == set(SCENARIOS)
-    command = "make chaos" if args.scenarios == ",".join(SCENARIOS) else " ".join(["benchmarks/chaos.py", *sys.argv[1:]])
+    command = "make chaos" if full else " ".join(["benchmarks/chaos.py", *sys.argv[1:]])
     write_table(args.out, results, command, full=full)
     return 1 if failed else 0
 

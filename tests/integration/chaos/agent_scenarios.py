@@ -51,7 +51,7 @@ from tests.integration.chaos.chaos_scenarios import (
     Pipeline,
     Result,
     _mid_load,
-    _next_step,
+    _recovered,
     count_dead_letters,
     reconcile,
     until,
@@ -197,9 +197,8 @@ async def sigkill_runner(pipe: AgentPipeline) -> tuple[str, float | None]:
     running = {a for a, _ in pipe.in_flight()}
     pipe.kill(RUNNER)
     pipe.start(RUNNER)
-    await until(lambda: pipe.ready(RUNNER), 180, "the runner ready again", pipe)
-    await _next_step(pipe, RUNNER)
-    return f"SIGKILL + restart of the runner ({len(running)} attempts in a call at the kill)", time.monotonic() - t0
+    return (f"SIGKILL + restart of the runner ({len(running)} attempts in a call at the kill)",
+            await _recovered(pipe, RUNNER, t0))
 
 
 async def sigkill_inference(pipe: AgentPipeline) -> tuple[str, float | None]:
@@ -212,11 +211,10 @@ async def sigkill_inference(pipe: AgentPipeline) -> tuple[str, float | None]:
     t0 = time.monotonic()
     pipe.kill(INFERENCE)
     pipe.start(INFERENCE)
-    await until(lambda: pipe.ready(INFERENCE), 180, "the inference worker ready again", pipe)
-    await _next_step(pipe, INFERENCE)
+    recovery = await _recovered(pipe, INFERENCE, t0)
     failed = {(e["attempt_id"], e["call"]) for e in pipe.agent_events() if e["event"] == "retry"}
     return (f"SIGKILL + restart of the inference worker, {len(calls)} call(s) in flight; {len(failed)} call(s) "
-            "failed and were retried by the agents", time.monotonic() - t0)
+            "failed and were retried by the agents", recovery)
 
 
 async def s3_refused(pipe: AgentPipeline, down_s: float = 10.0) -> tuple[str, float | None]:
