@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
     p.add_argument("--keep", type=Path, default=None, help="run in this folder and keep it (logs, spools, metrics)")
     p.add_argument("--memory", action="store_true",
-                   help="in-memory broker storage (faster; the broker and S3 scenarios need durable storage)")
+                   help="in-memory broker storage (faster; sigkill-broker needs durable storage)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
