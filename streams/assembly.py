@@ -109,7 +109,7 @@ def split_other_runs(spans: list[Span]) -> tuple[list[Span], list[Span]]:
     mine, others = [], []
     for s in spans:
         outside = s.get("start_time_ns", 0) < start or s.get("start_time_ns", 0) > end
-        (others if s.get("trace_id") not in (None, trace) and outside else mine).append(s)
+        (others if s.get("trace_id") and s["trace_id"] != trace and outside else mine).append(s)
     return mine, others
 
 
