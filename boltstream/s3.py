@@ -8,14 +8,22 @@ against any S3-compatible endpoint.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import minio
 import urllib3
-from minio.error import S3Error
+from minio.error import S3Error, ServerError
 
 from boltstream.config import Settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# An endpoint that refuses connections, resets them, times out or answers 5xx: worth trying again.
+# An S3Error (access denied, no such bucket) is an answer, not an outage: it is raised at once.
+TRANSIENT = (urllib3.exceptions.HTTPError, OSError, ServerError)
 
 
 def make_client(settings: Settings, timeout: float | None = None) -> minio.Minio:
@@ -52,3 +60,28 @@ def ensure_bucket(client: minio.Minio, bucket: str) -> None:
     except S3Error as exc:
         if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
             raise
+
+
+def retrying(fn: Callable[[], T], what: str, deadline_s: float, *, first_wait_s: float = 0.5,
+             max_wait_s: float = 5.0, sleep: Callable[[float], None] = time.sleep,
+             clock: Callable[[], float] = time.monotonic) -> T:
+    """``fn()``, tried again after a transient S3 failure until ``deadline_s`` seconds have passed.
+
+    Why: the SDK's own retries span a few seconds, so an endpoint down for longer (a restart, a
+    network blip) would otherwise fail a learner's checkpoint and end the process. The waits double
+    from ``first_wait_s`` up to ``max_wait_s``; the last failure is raised once the deadline is spent.
+    """
+    start, wait, tries = clock(), first_wait_s, 0
+    while True:
+        tries += 1
+        try:
+            return fn()
+        except TRANSIENT as exc:
+            left = deadline_s - (clock() - start)
+            if left <= 0:
+                log.error("%s: S3 still failing after %d tries in %.0fs: %s", what, tries, deadline_s, exc)
+                raise
+            log.warning("%s: S3 failed (%s: %s); try %d again in %.1fs", what, type(exc).__name__,
+                        str(exc)[:200], tries + 1, min(wait, left))
+            sleep(min(wait, left))
+            wait = min(wait * 2, max_wait_s)

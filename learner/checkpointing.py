@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from boltstream.errors import CheckpointError
+from boltstream.s3 import retrying
 from boltstream.weights.checkpoints import (
     checkpoint_event,
     fetch_checkpoint,
@@ -131,14 +132,18 @@ def publish(s3: Any, cfg: LearnerConfig, trainer: Trainer, state: LearnerState, 
         if cast is not None:
             trainer.save_weights(state_dir / MASTER_DIR)
         (state_dir / STATE_FILE).write_text(state.to_json())
-        state_event = publish_checkpoint(
+        # Only the uploads are retried (each re-sends its whole version): the saves above are collective
+        # under DeepSpeed, and the files they wrote do not change while S3 is down.
+        state_event = retrying(lambda: publish_checkpoint(
             s3, bucket, state_run(cfg), version, state_dir, kind=cfg.kind, base_model=cfg.model,
-            learner_step=state.step, offsets=offsets, model_name=cfg.name, extra={"role": "learner-state"})
-        return publish_checkpoint(
+            learner_step=state.step, offsets=offsets, model_name=cfg.name, extra={"role": "learner-state"}),
+            f"training state v{version}", cfg.checkpoint_retry_s)
+        return retrying(lambda: publish_checkpoint(
             s3, bucket, cfg.run_name, version, weights_dir, kind=cfg.kind, base_model=cfg.model,
             learner_step=state.step, offsets=offsets, model_name=cfg.name,
             extra={"learner_state": state_event["manifest_uri"], "backend": trainer.backend,
-                   "world_size": trainer.world_size, **({"cast_to": cast} if cast else {}), **(extra or {})})
+                   "world_size": trainer.world_size, **({"cast_to": cast} if cast else {}), **(extra or {})}),
+            f"checkpoint v{version}", cfg.checkpoint_retry_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -154,10 +159,14 @@ def serving_dtype(cfg: LearnerConfig, trainer: Trainer) -> str | None:
 def prune(s3: Any, cfg: LearnerConfig) -> list[int]:
     """Keep the newest ``keep_last`` versions (the announced one is always the newest); returns deleted."""
     bucket = cfg.settings.s3_bucket
-    deleted = prune_checkpoints(s3, bucket, cfg.run_name, keep_last=cfg.keep_last)
-    kept = [v for v in list_versions(s3, bucket, cfg.run_name) if v not in deleted]
-    prune_checkpoints(s3, bucket, state_run(cfg), keep_last=cfg.keep_last, protected_versions=kept)
-    return deleted
+
+    def once() -> list[int]:
+        deleted = prune_checkpoints(s3, bucket, cfg.run_name, keep_last=cfg.keep_last)
+        kept = [v for v in list_versions(s3, bucket, cfg.run_name) if v not in deleted]
+        prune_checkpoints(s3, bucket, state_run(cfg), keep_last=cfg.keep_last, protected_versions=kept)
+        return deleted
+
+    return retrying(once, "pruning checkpoints", cfg.checkpoint_retry_s)
 
 
 def fetch_resume(s3: Any, cfg: LearnerConfig, workdir: Path, *, backend: str, world_size: int) -> Resumed:

@@ -107,6 +107,8 @@ class LearnerConfig:
     run: str | None = opt(None, "S3 prefix of this run's checkpoints (default <namespace>/<model name>)")
     checkpoint_every: int = opt(10, "publish a checkpoint every N steps")
     keep_last: int = opt(3, "checkpoint versions kept in S3")
+    checkpoint_retry_s: float = opt(600.0, "keep retrying a checkpoint upload this long while S3 cannot be "
+                                           "reached (the step waits; workers keep serving the last version)")
     # The exact weights then travel with the training state, so resume stays exact.
     publish_dtype: str | None = opt(None, "full checkpoints: the dtype workers download, e.g. bfloat16 (half "
                                           "the bytes); the exact weights go with the training state",
@@ -143,6 +145,8 @@ class LearnerConfig:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         if self.lr_warmup_steps < 0:
             raise ConfigError("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
+        if not self.checkpoint_retry_s >= 0:  # NaN too
+            raise ConfigError("checkpoint_retry_s", self.checkpoint_retry_s, "must be >= 0 seconds")
         if self.lr <= 0:  # type: ignore[operator]  # set above
             raise ConfigError("lr", self.lr, "must be > 0")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -85,6 +85,32 @@ class AssemblyStats:
     air_rewards: int = 0
     air_rewards_unattached: int = 0
     evaluation_rewards: int = 0
+    other_run_spans: int = 0
+
+
+def split_other_runs(spans: list[Span]) -> tuple[list[Span], list[Span]]:
+    """(this run's spans, spans of another run of the same attempt) around the rollout's root span.
+
+    Why: an attempt re-run after its runner died (docs/producers.md, "The runner") keeps its ids, so
+    the dead run's spans (LLM calls the inference worker answered, its root if it got out) share the
+    rollout's key with the re-run's. Each ``boltstream.rollout`` opens a new trace, so with the
+    earliest root as this run: a span of ANOTHER trace that started before that root started, or
+    after it ended, cannot belong to it. Spans in the root's trace are always kept (a timed-out
+    run's late spans), and so is everything when there is no root (a runnerless rollout). A span
+    of another trace inside the root's time window is kept too: the worker's LLM span of a call
+    that carried the ids but no ``traceparent``. This relies on the clocks of the hosts that stamp
+    the root and those spans agreeing within the gap between a crash and the re-run (seconds).
+    """
+    roots = [s for s in spans if is_rollout_root(s) and s.get("trace_id")]
+    if not roots:
+        return spans, []
+    root = min(roots, key=lambda s: (s.get("start_time_ns", 0), s["span_id"]))
+    trace, start, end = root["trace_id"], root.get("start_time_ns", 0), root.get("end_time_ns", 0)
+    mine, others = [], []
+    for s in spans:
+        outside = s.get("start_time_ns", 0) < start or s.get("start_time_ns", 0) > end
+        (others if s.get("trace_id") and s["trace_id"] != trace and outside else mine).append(s)
+    return mine, others
 
 
 def _resolve_ids(
@@ -166,10 +192,15 @@ def assemble_trajectory_with_stats(
     spans = list(spans)
     if attempt_id is not None:
         spans = [s for s in spans if s.get("attempt_id") in (None, attempt_id)]
+    spans, other_runs = split_other_runs(spans)
     tree = build_span_tree(spans, reparent_floating_llm=config.reparent_floating_llm)
     stats = AssemblyStats(
-        spans=len(tree.spans), duplicate_spans=tree.duplicate_spans, reparented_llm_spans=len(tree.reparented)
+        spans=len(tree.spans), duplicate_spans=tree.duplicate_spans, reparented_llm_spans=len(tree.reparented),
+        other_run_spans=len(other_runs),
     )
+    if other_runs:
+        logger.info("rollout %s: %d span(s) of another run of the attempt left out: %s", spans[0].get("rollout_id"),
+                    len(other_runs), sorted({s.get("trace_id") for s in other_runs}))
     roots = [s for s in tree.spans.values() if is_rollout_root(s)]
     root = min(roots, key=lambda s: (s.get("start_time_ns", 0), s["span_id"])) if roots else None
     rid, aid, tid = _resolve_ids(tree, root, rollout_id, attempt_id, task_id)

@@ -258,6 +258,7 @@ class RolloutStage(_Stage):
         self.stats["trained_calls"] += stats.trained_calls
         self.stats["dropped_calls"] += stats.dropped_calls
         self.stats["duplicate_spans"] += stats.duplicate_spans
+        self.stats["other_run_spans"] += stats.other_run_spans
         value = self.codec.encode("Trajectory", trajectory, topic=self.out_topic)
         return [(self.out_topic, partition_key(trajectory).encode(), value)]
 

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -126,18 +127,29 @@ class Pipeline:
         self.current: dict[str, str] = {}
         self.producing: asyncio.Task[Any] | None = None
 
+    def argv(self, name: str) -> list[str]:
+        """The ``boltstream`` command line of component ``name``."""
+        if name == LEARNER:
+            return ["learn", "--model", "tiny", "--groups-per-step", str(GROUPS_PER_STEP), "--checkpoint-every",
+                    "2", "--max-staleness", "none", "--max-steps", str(self.max_steps), "--poll-ms", "100",
+                    "--metrics-path", str(self.metrics), "--workdir", str(self.workdir / "learner")]
+        return ["stream", "worker", "--app-id", self.app_id, "--group-size", str(GROUP)]
+
+    def env_for(self, name: str) -> dict[str, str]:
+        """Environment added for component ``name`` (over the pipeline's)."""
+        return {}
+
     def start(self, name: str) -> None:
         """Start (or restart) component ``name``; each incarnation logs to ``logs/<name>.<n>.log``."""
         self.starts[name] += 1
         label = self.current[name] = f"{name}.{self.starts[name]}"
-        if name == LEARNER:
-            args = ["learn", "--model", "tiny", "--groups-per-step", str(GROUPS_PER_STEP), "--checkpoint-every",
-                    "2", "--max-staleness", "none", "--max-steps", str(self.max_steps), "--poll-ms", "100",
-                    "--metrics-path", str(self.metrics), "--workdir", str(self.workdir / "learner")]
-        else:
-            args = ["stream", "worker", "--app-id", self.app_id, "--group-size", str(GROUP)]
-        proc = self.procs.start(label, *args)
+        proc = self.procs.start_command(label, [sys.executable, "-m", "boltstream.cli", *self.argv(name)],
+                                        env=self.env_for(name))
         log.info("started %s (pid %d)", label, proc.pid)
+
+    def ready(self, name: str) -> bool:
+        """Whether the current incarnation of ``name`` is ready (its log says so)."""
+        return self.logged(name, ready_text(name))
 
     def kill(self, name: str) -> None:
         """SIGKILL: no shutdown hook runs, nothing is flushed."""
@@ -209,7 +221,7 @@ async def _next_step(pipe: Pipeline, what: str) -> None:
 
 async def _recovered(pipe: Pipeline, name: str, t0: float) -> float:
     """Seconds from ``t0`` until ``name`` is ready again and the learner completed a step after that."""
-    await until(lambda: pipe.logged(name, ready_text(name)), 180, f"{name} ready again", pipe)
+    await until(lambda: pipe.ready(name), 180, f"{name} ready again", pipe)
     await _next_step(pipe, name)
     return time.monotonic() - t0
 
@@ -313,7 +325,7 @@ async def run_scenario(name: str, settings: Settings, env: dict[str, str], workd
             pipe.start(STREAM.format(i))
         pipe.start(LEARNER)
         # The load starts once every component is up, so the fault lands in a steady flow.
-        await until(lambda: all(pipe.logged(name, ready_text(name)) for name in pipe.current), 120,
+        await until(lambda: all(pipe.ready(name) for name in pipe.current), 120,
             "the learner and both stream workers ready", pipe)
         t_load = time.monotonic()
         pipe.producing = asyncio.create_task(

@@ -30,3 +30,30 @@ def test_with_poison_inserts_one_after_every_n() -> None:
     assert n == 2 and len(out) == 9
     assert out[3][0] == b"poison-3" and out[3][1] == records[2][1][:10] + b"\xff" * 7
     assert [r for r in out if not r[0].startswith(b"poison")] == records
+
+
+def _chaos_runner():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "chaos.py"
+    spec = importlib.util.spec_from_file_location("chaos_runner", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_partial_run_replaces_its_rows_and_keeps_the_others() -> None:
+    chaos = _chaos_runner()
+    old = "\n".join([chaos.BEGIN, "Command: `make chaos` (vm)", "", chaos.HEADER,
+                     "| baseline | 40 | none | 1 |", "| s3-stall | 17 | frozen | 1 |", ""])
+    block = chaos.merge_block(old, {"sigkill-runner": "| sigkill-runner | 9 | kill | 1 |",
+                                    "s3-stall": "| s3-stall | 20 | frozen again | 1 |"},
+                              "Command: `benchmarks/chaos.py --scenarios s3-stall,sigkill-runner` (vm)", full=False)
+    assert block.splitlines() == [
+        chaos.BEGIN, "Command: `make chaos` (vm)", "Command: `benchmarks/chaos.py --scenarios s3-stall,sigkill-runner` (vm)",
+        "", *chaos.HEADER.splitlines(), "| baseline | 40 | none | 1 |", "| s3-stall | 20 | frozen again | 1 |",
+        "| sigkill-runner | 9 | kill | 1 |", chaos.END]
+    full = chaos.merge_block(old, {"baseline": "| baseline | 1 |"}, "Command: `make chaos` (new)", full=True)
+    assert full.splitlines() == [chaos.BEGIN, "Command: `make chaos` (new)", "", *chaos.HEADER.splitlines(),
+                                 "| baseline | 1 |", chaos.END]

@@ -31,7 +31,8 @@ def test_precedence_explicit_over_env_over_default_and_none_disables_staleness(t
 
 @pytest.mark.parametrize(("field", "value"), [("groups_per_step", 0), ("zero_stage", 3), ("loss_agg", "sum"),
                                               ("max_staleness", -1), ("lr", 0.0), ("metrics_port", 70000),
-                                              ("lr_warmup_steps", -1), ("publish_dtype", "fp8")])
+                                              ("lr_warmup_steps", -1), ("publish_dtype", "fp8"),
+                                              ("checkpoint_retry_s", -1.0), ("checkpoint_retry_s", float("nan"))])
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         load(LearnerConfig, {field: value}, env={})

@@ -301,3 +301,47 @@ def test_assembly_errors() -> None:
         assemble_trajectory([span("x", rollout_id=None)])
     with pytest.raises(AssemblyError, match="span_id"):
         assemble_trajectory([span("")])
+
+
+def _in_trace(trace: str, s: dict) -> dict:
+    return {**s, "trace_id": trace * 32}
+
+
+def test_a_rerun_attempt_leaves_out_the_dead_runs_calls() -> None:
+    """Runner SIGKILLed mid-attempt, the attempt re-run with the same ids: the dead run's calls (answered
+    by the worker, in the dead run's trace, before the re-run's root) are not this run's."""
+    dead = [_in_trace("a", llm_span("d1", [1], [2], start=100, end=200, parent="x")),
+            _in_trace("a", llm_span("d2", [1, 2, 3], [4], start=300, end=400, parent="x"))]
+    rerun = [_in_trace("b", root_span(start=1000, end=2000)),
+             _in_trace("b", llm_span("n1", [1], [5], start=1100, end=1200)),
+             _in_trace("b", reward_span("fin", 1.0, at=1900, final=True, primary=True))]
+    traj, stats = assemble_trajectory_with_stats([*dead, *rerun], NO_AIR)
+    assert [t["span_id"] for t in traj["turns"]] == ["n1"]
+    assert [t["call_index"] for t in traj["turns"]] == [0]
+    assert stats.other_run_spans == 2 and traj["final_reward"] == 1.0
+
+
+def test_of_two_runs_with_roots_the_first_is_the_rollout() -> None:
+    """The dead run got its root out (spooled) before it died; the re-run's spans come after it."""
+    first = [_in_trace("a", root_span(start=0, end=1000)), _in_trace("a", llm_span("a1", [1], [2], start=100, end=200)),
+             _in_trace("a", reward_span("ra", 0.0, at=900, final=True, primary=True))]
+    second = [_in_trace("b", root_span("root2", start=3000, end=4000)),
+              _in_trace("b", llm_span("b1", [1], [3], start=3100, end=3200, parent="root2")),
+              _in_trace("b", reward_span("rb", 1.0, at=3900, final=True, primary=True))]
+    traj, stats = assemble_trajectory_with_stats([*second, *first], NO_AIR)
+    assert [t["span_id"] for t in traj["turns"]] == ["a1"]
+    assert traj["final_reward"] == 0.0 and stats.other_run_spans == 3
+
+
+def test_spans_of_another_trace_inside_the_root_and_late_spans_of_its_trace_are_kept() -> None:
+    """A worker span without traceparent (its own trace) inside the rollout's time is this run's; a
+    timed-out run's late span in the root's trace too; and nothing is split without a root."""
+    spans = [_in_trace("a", root_span(start=0, end=1000)),
+             _in_trace("c", llm_span("w1", [1], [2], start=100, end=200, parent=None)),
+             _in_trace("a", llm_span("late", [1, 2, 3], [4], start=1500, end=1600))]
+    traj, stats = assemble_trajectory_with_stats(spans, NO_AIR)
+    assert [t["span_id"] for t in traj["turns"]] == ["w1", "late"] and stats.other_run_spans == 0
+    rootless = [_in_trace("a", llm_span("x1", [1], [2], start=100, end=200)),
+                _in_trace("b", llm_span("x2", [1], [3], start=5000, end=5100))]
+    traj, stats = assemble_trajectory_with_stats(rootless, NO_AIR)
+    assert len(traj["turns"]) == 2 and stats.other_run_spans == 0
