@@ -47,6 +47,7 @@ from .spans import (
     attr,
     has_token_ids,
     inherited_agent_names,
+    is_feedback,
     is_rollout_root,
     reward_of,
     span_ids,
@@ -96,7 +97,8 @@ def split_other_runs(spans: list[Span]) -> tuple[list[Span], list[Span]]:
     rollout's key with the re-run's. Each ``boltstream.rollout`` opens a new trace, so with the
     earliest root as this run: a span of ANOTHER trace that started before that root started, or
     after it ended, cannot belong to it. Spans in the root's trace are always kept (a timed-out
-    run's late spans), and so is everything when there is no root (a runnerless rollout). A span
+    run's late spans), and so is everything when there is no root (a runnerless rollout), and every
+    delayed feedback (``boltstream feedback`` opens a trace of its own after the run ended). A span
     of another trace inside the root's time window is kept too: the worker's LLM span of a call
     that carried the ids but no ``traceparent``. This relies on the clocks of the hosts that stamp
     the root and those spans agreeing within the gap between a crash and the re-run (seconds).
@@ -109,7 +111,8 @@ def split_other_runs(spans: list[Span]) -> tuple[list[Span], list[Span]]:
     mine, others = [], []
     for s in spans:
         outside = s.get("start_time_ns", 0) < start or s.get("start_time_ns", 0) > end
-        (others if s.get("trace_id") and s["trace_id"] != trace and outside else mine).append(s)
+        other = s.get("trace_id") and s["trace_id"] != trace and outside and not is_feedback(s)
+        (others if other else mine).append(s)
     return mine, others
 
 

@@ -16,6 +16,7 @@ rely on it.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -39,12 +40,13 @@ def _chat(client: httpx.Client, rollout: str) -> dict[str, Any]:
     return r.json()
 
 
-async def _close(settings: Settings, *rollouts: str) -> None:
-    """The root span each rollout's agent would end with (what closes a rollout today)."""
-    codec, topic = Codec(), settings.topic("spans")
+async def _close(settings: Settings, start_ns: int, *rollouts: str) -> None:
+    """The root span each rollout's agent would end with (what closes a rollout today), enclosing
+    its calls in time as a runner's does (a span of another trace outside it is another run's)."""
+    codec, topic, end_ns = Codec(), settings.topic("spans"), time.time_ns()
     await produce(settings, topic, [
-        (r.encode(), codec.encode("Span", root_span(f"{i:016x}", start=0, end=1, rollout_id=r, attempt_id=f"{r}:0",
-                                                    task_id=r), topic=topic))
+        (r.encode(), codec.encode("Span", root_span(f"{i:016x}", start=start_ns, end=end_ns, rollout_id=r,
+                                                    attempt_id=f"{r}:0", task_id=r), topic=topic))
         for i, r in enumerate(rollouts, start=1)])
 
 
@@ -54,6 +56,7 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
 ) -> None:
     cli_rollout, http_rollout = f"fb-cli-{uuid.uuid4().hex[:6]}", f"fb-http-{uuid.uuid4().hex[:6]}"
     unknown = f"fb-nobody-{uuid.uuid4().hex[:6]}"
+    started_ns = time.time_ns()
     worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"], env=settings_env,
                            log_path=tmp_path / "serve.log")
     try:
@@ -74,7 +77,7 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
             assert r.status_code == 400 and r.json()["error"]["param"] == "reward", r.text
     finally:
         worker.stop()
-    await _close(settings, cli_rollout, http_rollout)
+    await _close(settings, started_ns, cli_rollout, http_rollout)
     orphan = run_cli("feedback", "--rollout-id", unknown, "--reward", "1")  # no span of it will ever come
     assert orphan.returncode == 0, orphan.stderr[-2000:]
 

@@ -345,3 +345,13 @@ def test_spans_of_another_trace_inside_the_root_and_late_spans_of_its_trace_are_
                 _in_trace("b", llm_span("x2", [1], [3], start=5000, end=5100))]
     traj, stats = assemble_trajectory_with_stats(rootless, NO_AIR)
     assert len(traj["turns"]) == 2 and stats.other_run_spans == 0
+
+
+def test_delayed_feedback_in_a_trace_of_its_own_after_the_run_is_kept() -> None:
+    """``boltstream feedback`` sends its reward span in a new trace, after the rollout ended: not another run."""
+    late = reward_span("fb", 1.0, at=5000, final=True, primary=True, parent=None)
+    late = _in_trace("f", {**late, "attributes": {**late["attributes"], "boltstream.feedback": True}})
+    spans = [_in_trace("a", root_span(start=0, end=1000)),
+             _in_trace("a", llm_span("a1", [1], [2], start=100, end=200)), late]
+    traj, stats = assemble_trajectory_with_stats(spans, NO_AIR)
+    assert traj["final_reward"] == 1.0 and stats.other_run_spans == 0
