@@ -25,7 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "feedback": ("boltstream.producers.feedback_cli", "send a reward for a rollout that already ran (by completion id)"),
     "serve": ("boltstream.inference.cli", "OpenAI-compatible inference worker with token capture"),
     "stream": ("boltstream.streams.cli", "the stream app: spans -> trajectories -> training batches"),
-    "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints"),
+    "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints (--offline: from a dataset)"),
+    "export": ("boltstream.export.cli", "write a range of spans, trajectories or batches to Parquet or JSON lines"),
     "train": ("boltstream.runs.train", "train your own agent end to end"),
     "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),
 }
