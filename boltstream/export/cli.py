@@ -131,7 +131,7 @@ async def export(cfg: ExportConfig) -> ExportResult:
                 continue
             one = dataclasses.replace(log_range, partitions=(part,))
             async for fetched in read_range(settings, one, max_records=cfg.fetch_records):
-                rows = []
+                columns = rows_of.columns()
                 for record in fetched:
                     result.records += 1
                     try:
@@ -142,9 +142,9 @@ async def export(cfg: ExportConfig) -> ExportResult:
                             log.warning("skipped undecodable record %s[%d]@%d: %s", topic, record.partition,
                                         record.offset, exc)
                         continue
-                    rows += rows_of.rows(value, Position(record.partition, record.offset, record.timestamp,
+                    rows_of.add(columns, value, Position(record.partition, record.offset, record.timestamp,
                                                          record.key))
-                writer.write(rows)
+                writer.write(columns)
                 if time.monotonic() - last_log > 10:
                     last_log = time.monotonic()
                     log.info("%d of %d records exported", result.records, log_range.size)

@@ -57,9 +57,16 @@ class Position:
         return {"partition": self.partition, "offset": self.offset, "timestamp_ms": self.timestamp_ms, "key": key}
 
 
+Columns = dict[str, list[Any]]
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The rows of one kind: their Arrow schema and how a decoded record becomes rows."""
+    """The rows of one kind: their Arrow schema and how a decoded record becomes rows.
+
+    Rows are built column by column (:meth:`add`): one list per column, extended per record,
+    is what Arrow converts fastest, and it never makes a dict per row.
+    """
 
     kind: str
     record: str
@@ -67,13 +74,40 @@ class Layout:
     getters: tuple[tuple[str, Getter], ...]
     samples: tuple[tuple[str, Getter], ...] = ()  # batches: the per-sample columns
 
-    def rows(self, record: Mapping[str, Any], position: Position) -> list[Row]:
+    def columns(self) -> Columns:
+        """Empty column lists, in schema order."""
+        return {name: [] for name in self.schema.names}
+
+    def add(self, columns: Columns, record: Mapping[str, Any], position: Position) -> int:
+        """Append ``record``'s rows to ``columns``; returns how many rows it made."""
         meta = position.columns()
-        row = {name: get(record) for name, get in self.getters}
         if not self.samples:
-            return [row | meta]
-        return [row | {SAMPLE_INDEX: i} | {name: get(s) for name, get in self.samples} | meta
-                for i, s in enumerate(record["samples"])]
+            for name, get in self.getters:
+                columns[name].append(get(record))
+            for name, value in meta.items():
+                columns[name].append(value)
+            return 1
+        samples = record["samples"]
+        n = len(samples)
+        for name, get in self.samples:
+            columns[name].extend([get(s) for s in samples])
+        columns[SAMPLE_INDEX].extend(range(n))
+        for name, get in self.getters:
+            columns[name].extend([get(record)] * n)
+        for name, value in meta.items():
+            columns[name].extend([value] * n)
+        return n
+
+    def rows(self, record: Mapping[str, Any], position: Position) -> list[Row]:
+        """``record``'s rows as dicts (tests, JSON lines)."""
+        columns = self.columns()
+        self.add(columns, record, position)
+        return to_rows(columns)
+
+
+def to_rows(columns: Columns) -> list[Row]:
+    names = list(columns)
+    return [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
 
 
 def batch_column(field: str) -> str:
