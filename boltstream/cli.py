@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("boltstream.export.cli", "write a range of spans, trajectories or batches to Parquet or JSON lines"),
     "train": ("boltstream.runs.train", "train your own agent end to end"),
     "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),
+    "evaluate": ("boltstream.runs.evaluate", "held-out score of the base model and a model's newest checkpoint"),
 }
 
 

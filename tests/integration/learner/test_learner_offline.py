@@ -8,9 +8,11 @@ metrics file and checks that every epoch trains every sample of the dataset exac
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from boltstream.config import Settings
+from boltstream.examples.calc.tasks import train_test
 from boltstream.learner.metrics import read_records, read_steps
 from boltstream.stack import run_sync
 from boltstream.topics import ensure_topics
@@ -83,7 +85,8 @@ def test_offline_from_an_export_then_online(settings, settings_env, run_cli, s3_
     assert manifest["version"] == 8 and manifest["learner_step"] == 8
 
 
-def test_offline_topic_range_resumes_after_sigkill(settings, settings_env, s3_client, tmp_path: Path) -> None:
+def test_offline_topic_range_resumes_after_sigkill_and_evaluates(settings, settings_env, run_cli, s3_client,
+                                                                  tmp_path: Path) -> None:
     replay = replay_namespace(settings)
     records, expected = dataset("r", 6)
     run_sync(produce(replay, records))
@@ -113,3 +116,14 @@ def test_offline_topic_range_resumes_after_sigkill(settings, settings_env, s3_cl
         assert len(trained) == len(set(trained)) and set(trained) == expected, f"epoch {epoch}"
     manifest = latest_manifest(s3_client, settings.s3_bucket, f"{settings.namespace.rstrip('.')}/tiny")
     assert manifest["version"] == 6
+
+    # the demo's held-out evaluation of the policy trained offline: base model, then its newest checkpoint
+    _, test = train_test(n_train=1, n_test=2, seed=3)
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(t) + "\n" for t in test))
+    proc = run_cli("evaluate", "--checkpoint-model", "tiny", "--model", "tiny", "--no-lora", "--test",
+                   str(tmp_path / "test.jsonl"), "--eval-samples", "1", "--out", str(tmp_path / "eval"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert (summary["before"]["policy_version"], summary["after"]["policy_version"]) == (0, 6)
+    assert summary["before"]["tasks"] == summary["after"]["tasks"] == 2
+    assert abs(summary["improvement"] - (summary["after"]["score"] - summary["before"]["score"])) < 1e-9
