@@ -110,8 +110,12 @@ def test_offline_topic_range_resumes_after_sigkill_and_evaluates(settings, setti
         assert learner.wait(30) == 0
     finally:
         learner.stop()
-    steps = read_steps(read_records(metrics))
+    records = read_records(metrics)
+    steps = read_steps(records)
     assert [(s["step"], s["epoch"]) for s in steps] == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
+    crashed_5, resumed_5 = [r for r in records if r.get("event") == "step" and r["step"] == 5]
+    assert crashed_5["sample_ids"] == resumed_5["sample_ids"], "the same position in the epoch"
+    assert abs(crashed_5["loss"] - resumed_5["loss"]) < 1e-6, "from the same weights and optimizer state"
     for epoch, trained in per_epoch(steps).items():
         assert len(trained) == len(set(trained)) and set(trained) == expected, f"epoch {epoch}"
     manifest = latest_manifest(s3_client, settings.s3_bucket, f"{settings.namespace.rstrip('.')}/tiny")
