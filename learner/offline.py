@@ -198,6 +198,8 @@ class OfflineData:
         self.assembler.dropped = self.dropped  # one cumulative count across epochs and the live phase
         self._reader: AsyncIterator[list[Item]] | None = None
         self._exhausted = False
+        self._steps = 0  # taken in this epoch by this process
+        self._from_start = not resume  # this process reads the whole epoch
 
     def take_step(self, k: int, version: int, max_staleness: int | None = None,
                   vocab_size: int | None = None) -> StepInput | None:
@@ -210,9 +212,13 @@ class OfflineData:
             inp = self.assembler.take_rest(version, None, vocab_size)
             if inp is None:
                 self._end_epoch()
+        self._steps += inp is not None
         return inp
 
     def _end_epoch(self) -> None:
+        if not self._steps and self._from_start:
+            logger.warning("offline epoch %d trained nothing: no usable group in %s (dropped so far: %s)",
+                           self.epoch + 1, self.cfg.offline, dict(self.dropped))
         self.epoch += 1
         self.say(f"epoch {self.epoch} of {self.cfg.epochs} done")
         logger.info("offline epoch %d of %d done (%d records read so far, dropped %s)", self.epoch,

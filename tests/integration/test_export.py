@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import pytest
 from aiokafka import AIOKafkaProducer
 
 from boltstream.cli import main as cli_main
@@ -114,8 +115,9 @@ def test_round_trip_of_every_kind_loads_with_pandas_and_datasets(settings, run_c
     assert meta["boltstream.stats"] == {"records": len(batches) + 1, "rows": table.num_rows, "undecodable": 1}
 
     # spans: one row per span, token ids and logprobs as lists, attributes as JSON
+    # the other kinds through the same entry point in this process (a subprocess costs seconds of imports)
     out = tmp_path / "spans.parquet"
-    assert run_cli("export", "spans", "--out", str(out)).returncode == 0
+    assert cli_main(["export", *settings_flags(settings), "spans", "--out", str(out)]) == 0
     rows = pq.read_table(out).to_pylist()
     topic = _decoded(settings, "spans", "Span")
     assert len(rows) == len(topic) == len(spans)
@@ -132,13 +134,13 @@ def test_round_trip_of_every_kind_loads_with_pandas_and_datasets(settings, run_c
 
     # the same range as JSON lines: the same rows, metadata beside the file
     jsonl = tmp_path / "spans.jsonl"
-    assert run_cli("export", "spans", "--format", "jsonl", "--out", str(jsonl)).returncode == 0
+    assert cli_main(["export", *settings_flags(settings), "spans", "--format", "jsonl", "--out", str(jsonl)]) == 0
     assert [json.loads(line) for line in jsonl.read_text().splitlines()] == rows
     assert read_metadata(jsonl)["boltstream.stats"]["rows"] == len(rows)
 
     # trajectories: one row per trajectory, turns as a list of structs
     out = tmp_path / "trajectories.parquet"
-    assert run_cli("export", "trajectories", "--out", str(out)).returncode == 0
+    assert cli_main(["export", *settings_flags(settings), "trajectories", "--out", str(out)]) == 0
     rows = pq.read_table(out).to_pylist()
     topic = _decoded(settings, "trajectories", "Trajectory")
     assert sorted(r["attempt_id"] for r in rows) == sorted(t["attempt_id"] for t in topic.values())
@@ -182,8 +184,8 @@ def test_ranges_and_refusals(settings, run_cli, tmp_path: Path, capsys) -> None:
         ends[p] += 1
     p0 = next(p for p, n in ends.items() if n)
     others = ",".join(f"{p}:{n}" for p, n in ends.items() if p != p0)
-    proc = run_cli("export", "batches", "--out", str(out), "--from", f"{p0}:0,{others}")
-    assert proc.returncode == 0, proc.stderr
+    args = ["batches", "--out", str(out), "--from", f"{p0}:0,{others}"]
+    assert cli_main(["export", *settings_flags(settings), *args]) == 0
     table = pq.read_table(out, columns=["partition"])
     assert set(table["partition"].to_pylist()) == {p0} and table.num_rows == 4 * ends[p0]
 
@@ -206,20 +208,23 @@ def test_ranges_and_refusals(settings, run_cli, tmp_path: Path, capsys) -> None:
         assert code == 1 and "boltstream export: error: " in err, (args, err)
         assert needle in err, (args, err)
     assert not (tmp_path / "c.parquet").exists() and not list(tmp_path.glob(".*partial*"))
-    proc = run_cli("export", "sessions", "--out", str(tmp_path / "c.parquet"))
-    assert proc.returncode == 2 and "invalid choice: 'sessions'" in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["export", "sessions", "--out", str(tmp_path / "c.parquet")])
+    assert exit_.value.code == 2 and "invalid choice: 'sessions'" in capsys.readouterr().err
 
-    proc = run_cli("export", "batches", "--out", str(out), "--overwrite")
-    assert proc.returncode == 0 and pq.read_metadata(out).num_rows == 4 * len(batches)
+    assert cli_main(["export", *settings_flags(settings), "batches", "--out", str(out), "--overwrite"]) == 0
+    assert pq.read_metadata(out).num_rows == 4 * len(batches)
 
 
 # --------------------------------------------------------------------------- memory
 
 SPANS = 100_000
 DISTINCT = 500
-PROMPT_CHARS = 1000  # the prompt text an instrumented agent's span carries: ~100 MiB of rows in all
+PROMPT_CHARS = 1400  # the prompt text an instrumented agent's span carries: ~180 MiB of rows in Arrow
 PEAK_RSS_BOUND_MIB = 320
-GROWTH_BOUND_MIB = 80  # over a 1,000-span export: less than the range's rows would take in Arrow alone
+# Over a 1,000-span export: one 32 MiB row group, the writer's encoding of it and the allocator's slack
+# (measured 44 MiB), well under what the range's rows take in Arrow alone.
+GROWTH_BOUND_MIB = 100
 
 
 def small_span(i: int) -> dict[str, Any]:
@@ -279,7 +284,7 @@ def test_a_100k_span_export_stays_under_a_memory_bound(settings, settings_env, t
     meta = pq.read_metadata(out)
     assert meta.num_rows == SPANS and meta.num_row_groups > 1
     in_arrow = pq.read_table(out).nbytes / 2**20
-    assert in_arrow > GROWTH_BOUND_MIB, "the range must be larger than the bound for the bound to mean anything"
+    assert in_arrow > 1.5 * GROWTH_BOUND_MIB, "the range must be larger than the bound for the bound to mean anything"
     what = (f"peak RSS {peak:.0f} MiB exporting {produced / 2**20:.0f} MiB of spans ({in_arrow:.0f} MiB in Arrow); "
             f"{base:.0f} MiB for 1% of them")
     assert peak < PEAK_RSS_BOUND_MIB and peak - base < GROWTH_BOUND_MIB, what

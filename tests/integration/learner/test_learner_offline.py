@@ -7,18 +7,22 @@ metrics file and checks that every epoch trains every sample of the dataset exac
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
 
 from boltstream.config import Settings
 from boltstream.examples.calc.tasks import train_test
+from boltstream.learner.config import LearnerConfig
+from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
 from boltstream.stack import run_sync
 from boltstream.topics import ensure_topics
 from boltstream.weights.checkpoints import latest_manifest
 from tests.integration.learner.helpers import Learner, group, produce, sample_ids
 
+TIMEOUT = 120.0
 ARGS = ["--model", "tiny", "--groups-per-step", "2", "--keep-last", "2", "--max-staleness", "1", "--lr", "1e-3",
         "--poll-ms", "100"]
 
@@ -45,31 +49,36 @@ def per_epoch(steps: list[dict]) -> dict[int, list[str]]:
     return out
 
 
-def test_offline_from_an_export_then_online(settings, settings_env, run_cli, s3_client, tmp_path: Path) -> None:
+async def test_offline_from_an_export_then_online(settings, run_cli, s3_client, tmp_path: Path) -> None:
+    """In this process (the CLI as typed is the next test's): export -> 2 epochs -> the live topic."""
     replay = replay_namespace(settings)
     records, expected = dataset("g", 5)
-    run_sync(produce(replay, records))
+    await produce(replay, records)
     data = tmp_path / "data"
     data.mkdir()
     proc = run_cli("export", "batches", "--namespace", replay.namespace, "--out", str(data / "part-0.parquet"))
     assert proc.returncode == 0 and "1 undecodable skipped" in proc.stdout, proc.stderr
     old = [r for i in range(2) for r in group(f"old{i}", seed=50 + i)]  # live, before the run: never trained
-    run_sync(produce(settings, old))
+    await produce(settings, old)
 
     metrics = tmp_path / "metrics.jsonl"
-    args = [*ARGS, "--offline", str(data), "--epochs", "2", "--then-online", "--checkpoint-every", "2",
-            "--max-steps", "8", "--metrics-path", str(metrics), "--workdir", str(tmp_path / "work")]
-    learner = Learner(args, settings_env, tmp_path / "learner.log")
-    try:
-        learner.wait_for(r"ready: step 0 ", timeout=90)
-        learner.wait_for(r"epoch 2 of 2 done")
-        learner.wait_for(r"online: reading ")
-        new = [r for i in range(4) for r in group(f"new{i}", seed=70 + i, policy_version=6)]
-        run_sync(produce(settings, new))
-        learner.wait_for(r"done: step 8 version 8")
-        assert learner.wait(30) == 0
-    finally:
-        learner.stop()
+    cfg = LearnerConfig(settings=settings, model="tiny", groups_per_step=2, keep_last=2, max_staleness=1, lr=1e-3,
+                        poll_ms=100, offline=str(data), epochs=2, then_online=True, checkpoint_every=2,
+                        max_steps=8, metrics_path=str(metrics), workdir=str(tmp_path / "work"))
+    online = asyncio.Event()
+    run = asyncio.create_task(train(cfg, progress=lambda line: line.startswith("online: ") and online.set()))
+    waiting = asyncio.create_task(online.wait())
+    await asyncio.wait({run, waiting}, timeout=TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+    if not online.is_set():
+        waiting.cancel()
+        if run.done():
+            run.result()  # raises what stopped the learner
+        run.cancel()
+        raise AssertionError(f"the learner did not go online within {TIMEOUT}s")
+    new = [r for i in range(4) for r in group(f"new{i}", seed=70 + i, policy_version=6)]
+    await produce(settings, new)
+    result = await asyncio.wait_for(run, TIMEOUT)
+    assert (result.step, result.version) == (8, 8)
 
     steps = read_steps(read_records(metrics))
     # 5 groups at K=2: steps of 2, 2 and the 1 left over, per epoch; then two live steps
