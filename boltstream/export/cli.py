@@ -86,7 +86,6 @@ class ExportResult:
     rows: int = 0
     undecodable: int = 0
     seconds: float = 0.0
-    range: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def stats(self) -> dict[str, Any]:
         return {"records": self.records, "rows": self.rows, "undecodable": self.undecodable}
@@ -121,7 +120,7 @@ async def export(cfg: ExportConfig) -> ExportResult:
     log_range = await resolve(settings, topic, parse_position(cfg.start, "--from"), parse_position(cfg.end, "--to"))
     rows_of = layout(cfg.kind)
     codec = Codec.from_registry_url(settings.schema_registry_url)
-    result = ExportResult(path, topic, range=log_range.describe())
+    result = ExportResult(path, topic)
     writer = open_writer(cfg.format, path, rows_of.schema, file_metadata(cfg, log_range),
                          row_group_rows=cfg.row_group_rows, row_group_bytes=cfg.row_group_bytes)
     started = last_log = time.monotonic()
