@@ -11,7 +11,8 @@ On a private embedded stack (Tansu + moto):
   (the demo's calculator calls are ~200), one row per sample in the export.
 
 For each kind two child processes run over the same range, each measured from the
-outside (wall time, and peak RSS from ``wait4``, that child alone):
+outside (wall time, and peak RSS from ``wait4`` through a small launcher, so the
+child's figure is its own and not this process's high-water mark):
 
 1. baseline: read the range by assignment and decode every record with the codec,
    writing nothing (this script's ``--child-read``);
@@ -31,10 +32,8 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from boltstream.kafka import producer_kwargs  # noqa: E402
 from boltstream.log_range import parse_position, read_range, resolve  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
+from tests.integration.peak_rss import run_measured  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BOLTSTREAM = Path(sys.executable).with_name("boltstream")
@@ -113,18 +113,11 @@ async def child_read(kind: str) -> None:
 
 
 def measured(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Wall seconds and peak RSS (MiB, this child alone, by wait4) of one child process."""
-    started = time.perf_counter()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.perf_counter() - started
-        out.seek(0)
-        text = out.read().decode(errors="replace")
-    if proc.returncode:
-        raise RuntimeError(f"{argv[:3]} exited {proc.returncode}:\n{text[-2000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "output": text}
+    """Wall seconds and peak RSS (MiB) of one child process, its own alone (tests/integration/peak_rss.py)."""
+    result = run_measured(argv, env, timeout=900)
+    if result.code:
+        raise RuntimeError(f"{argv[:3]} exited {result.code}:\n{result.output[-2000:]}")
+    return {"seconds": round(result.seconds, 2), "peak_rss_mib": round(result.peak_mib, 1), "output": result.output}
 
 
 def bench_kind(kind: str, settings: Settings, env: dict[str, str], work: Path) -> dict[str, Any]:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from boltstream.schemas import Codec
 from boltstream.stack import run_sync
 from tests.integration.conftest import boltstream_argv, read_topic
 from tests.integration.learner.helpers import group
+from tests.integration.peak_rss import run_measured
 from tests.unit.schemas.record_examples import EXAMPLES, MINIMAL
 
 GARBAGE = b"\x00\x00\x00\x00\x07not avro"
@@ -254,37 +252,18 @@ async def _produce_many(settings: Settings, count: int) -> int:
     return sum(len(v) for _, v in encoded) * count // DISTINCT
 
 
-def run_measured(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, float, str]:
-    """(exit code, peak RSS in MiB, stdout) of a child, its rusage read by wait4 (this child's alone)."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.read() + proc.stderr.read()), daemon=True)
-    reader.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    reader.join(10)
-    return proc.returncode, usage.ru_maxrss / 1024, "".join(out)
-
-
 def test_a_100k_span_export_stays_under_a_memory_bound(settings, settings_env, tmp_path: Path) -> None:
     produced = run_sync(_produce_many(settings, SPANS))
     small, out = tmp_path / "small.parquet", tmp_path / "spans.parquet"
     first = ",".join(f"{p}:{SPANS // 100 // settings.partitions}" for p in range(settings.partitions))
-    code, base, output = run_measured(boltstream_argv("export", "spans", "--out", str(small), "--to", first),
-                                      settings_env, 60)
-    assert code == 0, output[-3000:]
-    code, peak, output = run_measured(boltstream_argv("export", "spans", "--out", str(out)), settings_env, 180)
-    assert code == 0, output[-3000:]
+    base = run_measured(boltstream_argv("export", "spans", "--out", str(small), "--to", first), settings_env, 60)
+    assert base.code == 0, base.output[-3000:]
+    whole = run_measured(boltstream_argv("export", "spans", "--out", str(out)), settings_env, 180)
+    assert whole.code == 0, whole.output[-3000:]
     meta = pq.read_metadata(out)
     assert meta.num_rows == SPANS and meta.num_row_groups > 1
     in_arrow = pq.read_table(out).nbytes / 2**20
     assert in_arrow > 1.5 * GROWTH_BOUND_MIB, "the range must be larger than the bound for the bound to mean anything"
-    what = (f"peak RSS {peak:.0f} MiB exporting {produced / 2**20:.0f} MiB of spans ({in_arrow:.0f} MiB in Arrow); "
-            f"{base:.0f} MiB for 1% of them")
-    assert peak < PEAK_RSS_BOUND_MIB and peak - base < GROWTH_BOUND_MIB, what
+    what = (f"peak RSS {whole.peak_mib:.0f} MiB exporting {produced / 2**20:.0f} MiB of spans ({in_arrow:.0f} MiB "
+            f"in Arrow); {base.peak_mib:.0f} MiB for 1% of them")
+    assert whole.peak_mib < PEAK_RSS_BOUND_MIB and whole.peak_mib - base.peak_mib < GROWTH_BOUND_MIB, what
