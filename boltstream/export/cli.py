@@ -37,6 +37,10 @@ from .writers import AVRO_SCHEMA_KEY, FORMATS, METADATA_KEY, open_writer
 log = logging.getLogger(__name__)
 
 MAX_LOGGED_UNDECODABLE = 10  # one warning line each; the rest are counted
+# Rows go to Arrow after this many bytes of records: 1,000 training batches of 4 x 275 tokens held as
+# Python lists took ~100 MiB before they became Arrow (batches export peak 290 MiB; 1 MiB chunks: see
+# docs/replay.md).
+ARROW_EVERY_BYTES = 1 << 20
 
 
 class ExportError(BoltstreamError):
@@ -130,7 +134,7 @@ async def export(cfg: ExportConfig) -> ExportResult:
                 continue
             one = dataclasses.replace(log_range, partitions=(part,))
             async for fetched in read_range(settings, one, max_records=cfg.fetch_records):
-                columns = rows_of.columns()
+                columns, held = rows_of.columns(), 0
                 for record in fetched:
                     result.records += 1
                     try:
@@ -143,6 +147,10 @@ async def export(cfg: ExportConfig) -> ExportResult:
                         continue
                     rows_of.add(columns, value, Position(record.partition, record.offset, record.timestamp,
                                                          record.key))
+                    held += len(record.value)
+                    if held >= ARROW_EVERY_BYTES:  # decoded rows are Python objects: ~10x their Avro bytes
+                        writer.write(columns)
+                        columns, held = rows_of.columns(), 0
                 writer.write(columns)
                 if time.monotonic() - last_log > 10:
                     last_log = time.monotonic()
