@@ -17,6 +17,7 @@ from boltstream.examples.calc.tasks import train_test
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
+from boltstream.runs.evaluate import main as evaluate_main
 from boltstream.stack import run_sync
 from boltstream.topics import ensure_topics
 from boltstream.weights.checkpoints import latest_manifest
@@ -94,7 +95,7 @@ async def test_offline_from_an_export_then_online(settings, run_cli, s3_client, 
     assert manifest["version"] == 8 and manifest["learner_step"] == 8
 
 
-def test_offline_topic_range_resumes_after_sigkill_and_evaluates(settings, settings_env, run_cli, s3_client,
+def test_offline_topic_range_resumes_after_sigkill_and_evaluates(settings, settings_env, s3_client, monkeypatch,
                                                                   tmp_path: Path) -> None:
     replay = replay_namespace(settings)
     records, expected = dataset("r", 6)
@@ -133,9 +134,10 @@ def test_offline_topic_range_resumes_after_sigkill_and_evaluates(settings, setti
     # the demo's held-out evaluation of the policy trained offline: base model, then its newest checkpoint
     _, test = train_test(n_train=1, n_test=2, seed=3)
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(t) + "\n" for t in test))
-    proc = run_cli("evaluate", "--checkpoint-model", "tiny", "--model", "tiny", "--no-lora", "--test",
-                   str(tmp_path / "test.jsonl"), "--eval-samples", "1", "--out", str(tmp_path / "eval"), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, value in settings_env.items():  # in this process: the command reads BOLTSTREAM_* like a shell's
+        monkeypatch.setenv(name, value)
+    assert evaluate_main(["--checkpoint-model", "tiny", "--model", "tiny", "--no-lora", "--test",
+                          str(tmp_path / "test.jsonl"), "--eval-samples", "1", "--out", str(tmp_path / "eval")]) == 0
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert (summary["before"]["policy_version"], summary["after"]["policy_version"]) == (0, 6)
     assert summary["before"]["tasks"] == summary["after"]["tasks"] == 2
