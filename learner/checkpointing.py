@@ -63,6 +63,8 @@ class LearnerState:
     seen: list[str] = field(default_factory=list)  # dedupe window ("b:<batch_id>", "s:<sample_id>")
     dropped: dict[str, int] = field(default_factory=dict)  # cumulative, by reason
     samples_trained: int = 0
+    # --offline: the dataset, the epoch and the position in it (learner/offline.py); None for online runs
+    offline: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -78,6 +80,7 @@ class LearnerState:
             seen=[str(i) for i in raw.get("seen", [])],
             dropped={str(k): int(v) for k, v in raw.get("dropped", {}).items()},
             samples_trained=int(raw.get("samples_trained", 0)),
+            offline=raw.get("offline"),
         )
 
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
+from boltstream.log_range import LogRangeError, parse_position
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,16 @@ class LearnerConfig:
     checkpoint_on_exit: bool = opt(True, "on max_steps or SIGTERM, publish the steps since the last checkpoint")
     resume: bool = opt(True, "start from the run's newest complete checkpoint when there is one")
     workdir: str | None = opt(None, "local scratch for checkpoint files (default: a temporary directory)")
+    # --- offline: a fixed dataset (learner/offline.py), trained for N epochs before or instead of the live topic
+    offline: str | None = opt(None, "train from a fixed dataset: exported batches Parquet (a file, a folder or a "
+                                    "glob) or topic:<full topic name>, e.g. a replay's topic:<ns>batches")
+    offline_from: str = opt("earliest", "with --offline topic:...: where the range starts (earliest | ISO time | "
+                                        "partition:offset,...)")
+    offline_to: str = opt("now", "with --offline topic:...: where it ends (now: the log end at the run's first "
+                                 "start; ISO time | partition:offset,...)")
+    epochs: int = opt(1, "with --offline: passes over the dataset")
+    then_online: bool = opt(False, "after the offline epochs, train from the live batches topic, from where it "
+                                   "ended when the run first started (docs/replay.md)")
     # --- when to stop
     max_steps: int | None = opt(None, "stop after this many learner steps in total, resumed ones included")
     idle_exit_s: float | None = opt(None, "stop when no record arrived for this many seconds")
@@ -168,6 +179,19 @@ class LearnerConfig:
                                   "applies to full checkpoints; LoRA adapters are published as trained")
         if self.run is not None and not self.run.strip("/"):
             raise ConfigError("run", self.run, "must not be empty")
+        if self.epochs < 1:
+            raise ConfigError("epochs", self.epochs, "must be >= 1")
+        if self.offline is not None:
+            if not self.offline.strip() or self.offline.strip() == "topic:":
+                raise ConfigError("offline", self.offline, "name Parquet files or topic:<full topic name>")
+            for name, option in (("offline_from", "--from"), ("offline_to", "--to")):
+                try:
+                    parse_position(getattr(self, name), option)
+                except LogRangeError as exc:
+                    raise ConfigError(name, getattr(self, name), str(exc).split(": ", 1)[-1]) from None
+        elif self.then_online:
+            raise ConfigError("then_online", self.then_online, "continues an --offline run; without --offline the "
+                                                                "learner trains online anyway")
 
     @property
     def name(self) -> str:

@@ -224,15 +224,20 @@ class GroupAssembler:
         logger.warning("dropped record %d@%d: %s", ref[0], ref[1], reason)
         self.tracker.use([ref])
 
-    def _evict_oldest_partial(self) -> None:
+    def _evict_oldest_partial(self, keep: int | None = None) -> None:
         """Bound memory: a batch whose other parts never come would otherwise pin its records forever."""
-        while len(self._partial) > self.max_pending:
+        keep = self.max_pending if keep is None else keep
+        while len(self._partial) > keep:
             batch_id, partial = self._partial.popitem(last=False)
             self._active.discard(batch_id)
             self.dropped["record_parts_never_completed"] += len(partial.refs)
-            logger.warning("dropped incomplete batch %s (%d of %d parts) after %d newer ones", batch_id,
-                           len(partial.parts), partial.num_parts, self.max_pending)
+            logger.warning("dropped incomplete batch %s (%d of %d parts), %d newer ones pending", batch_id,
+                           len(partial.parts), partial.num_parts, len(self._partial))
             self.tracker.use(partial.refs)
+
+    def drop_partial_batches(self) -> None:
+        """The input is over (the end of a fixed dataset): batches still missing parts never complete."""
+        self._evict_oldest_partial(keep=0)
 
     # ------------------------------------------------------------------ steps out
 
@@ -284,6 +289,15 @@ class GroupAssembler:
         step = StepInput(groups=[g for g, _ in self._buffer], samples=[s for _, keep in self._buffer for s in keep],
                          staleness=self._buffer_staleness, dropped=self._buffer_dropped)
         self._buffer, self._buffer_staleness, self._buffer_dropped = [], Counter(), Counter()
+        return step
+
+    def take_rest(self, version: int, max_staleness: int | None = None,
+                  vocab_size: int | None = None) -> StepInput | None:
+        """Every group still ready as one step, however few: the end of a fixed dataset rarely
+        leaves a multiple of K. None when no usable group is left."""
+        step = self.take_step(self.buffered_groups, version, max_staleness, vocab_size) if self.ready else None
+        if step is None and self._buffer:  # some groups had nothing usable: train the rest
+            step = self.take_step(len(self._buffer), version, max_staleness, vocab_size)
         return step
 
     def commit(self, step: StepInput) -> None:

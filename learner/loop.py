@@ -48,7 +48,8 @@ from .config import LearnerConfig
 from .consumer import GroupAssembler, OffsetTracker
 from .metrics import MetricsSink, step_record
 from .model_setup import Trainer, vocab_size
-from .source import BatchSource
+from .offline import OfflineData, live_log_end, open_dataset
+from .source import BatchSource, TopicMissingError
 from .step import warmup_lr
 from .trainer import make_trainer
 
@@ -106,9 +107,15 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     # ------------------------------------------------------------------ 1. model, optimizer, resume
     # The newest complete checkpoint of the run (if any) is downloaded first, so its weights are in
     # place before the optimizer (or DeepSpeed's fp32 partitions) are built from them.
+    # An --offline dataset is found (and a topic range resolved) before the model loads, to fail early.
     backend, world_size = _backend(cfg)
     resumed = await asyncio.to_thread(fetch_resume, s3, cfg, workdir, backend=backend, world_size=world_size)
     try:
+        dataset = await open_dataset(cfg, resumed.state.offline) if cfg.offline else None
+        if cfg.offline and resumed.manifest is None:  # a new run: its live offsets are the log end of now
+            resumed.state.offsets = await live_log_end(settings) or {}
+            if cfg.then_online and not resumed.state.offsets:
+                raise TopicMissingError(f"--then-online: topic {settings.topic('batches')} does not exist")
         trainer = await on_model_thread(make_trainer, cfg, resumed.weights_dir, resumed.state_dir)
     finally:
         resumed.cleanup()
@@ -119,6 +126,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
 
     # ------------------------------------------------------------------ 2. data in, checkpoints out
     # Reading starts at the checkpoint's offsets; records it had already used above them are skipped.
+    # --offline: the fixed dataset comes first (.offline); the live topic follows with --then-online, from
+    # the checkpoint's offsets, which a new run set to the live log end of its first start (above).
     tracker = OffsetTracker(state.offsets, state.used_above)
     assembler = GroupAssembler(tracker, max_pending=cfg.max_pending_batches, seen=state.seen,
                                window=cfg.dedupe_window, drop_incomplete=cfg.drop_incomplete_groups)
@@ -127,14 +136,18 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     codec = Codec.from_registry_url(settings.schema_registry_url)
     dlq = DeadLetterWriter(settings, codec, "learner", producer=producer)
     source = BatchSource(settings, assembler, codec=codec, start=state.offsets, dlq=dlq)
+    offline = None if dataset is None else OfflineData(cfg, dataset, codec, assembler.dropped, state.offline, say)
+    offline_state = state.offline  # what checkpoints keep once the offline phase is over
     sink: MetricsSink | None = None
     try:
         sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)
         await producer.start()
-        await source.start()
+        if offline is None:
+            await source.start()
         sink.sync_dropped(assembler.dropped)
         sink.event("resume", step=step, version=version, run=cfg.run_name, offsets=tracker.positions(),
-                   manifest=resumed.event["manifest_uri"] if resumed.event else None)
+                   manifest=resumed.event["manifest_uri"] if resumed.event else None,
+                   offline=offline.state() if offline else None)
         if resumed.event is not None:  # a crash may have come between the manifest and its announcement
             await announce_checkpoint(producer, codec, settings.topic("checkpoints"), resumed.event)
         say(f"ready: step {step} version {version} run {cfg.run_name}")
@@ -143,7 +156,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
             t0 = time.perf_counter()
             snapshot = LearnerState(step=step, version=version, offsets=tracker.positions(),
                                     used_above=tracker.used_above(), seen=assembler.seen.to_list(),
-                                    dropped=dict(assembler.dropped), samples_trained=samples_trained)
+                                    dropped=dict(assembler.dropped), samples_trained=samples_trained,
+                                    offline=offline.state() if offline else offline_state)
             event = await on_model_thread(publish, s3, cfg, trainer, snapshot, source.topic, workdir)
             await announce_checkpoint(producer, codec, settings.topic("checkpoints"), event)
             deleted = await asyncio.to_thread(prune, s3, cfg)
@@ -157,29 +171,42 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
         # -------------------------------------------------------------- 3. the loop
         last_checkpoint, last_step_at = step, time.perf_counter()
         while not stop.is_set() and (cfg.max_steps is None or step < cfg.max_steps):
-            # 3a. K complete groups, judged against the current policy version
-            inp = assembler.take_step(cfg.groups_per_step, version, cfg.max_staleness, vocab)
+            if offline is not None and offline.finished:  # every epoch trained: stop, or go on live
+                offline_state = offline.state()
+                await offline.close()
+                offline = None
+                if not cfg.then_online:
+                    break
+                await source.start()
+                say(f"online: reading {source.topic} from {tracker.positions()}")
+            data = offline or source
+
+            # 3a. K complete groups, judged against the current policy version (staleness: online only)
+            inp = data.take_step(cfg.groups_per_step, version, cfg.max_staleness, vocab)
             if inp is None:
                 idle = time.monotonic() - source.last_record_at
-                if cfg.idle_exit_s is not None and idle > cfg.idle_exit_s:
+                if offline is None and cfg.idle_exit_s is not None and idle > cfg.idle_exit_s:
                     logger.info("no new record for %.1fs: stopping", idle)
                     break
-                await source.poll(cfg.poll_ms)
+                await data.poll(cfg.poll_ms)
                 continue
 
             # 3b. one optimizer step; aiokafka fetches ahead meanwhile
             lr = warmup_lr(cfg.lr, step + 1, cfg.lr_warmup_steps)
             metrics = await on_model_thread(trainer.step, inp.samples, lr)
-            assembler.commit(inp)
+            data.assembler.commit(inp)
             step, version, samples_trained = step + 1, version + 1, samples_trained + len(inp.samples)
 
             # 3c. metrics: console, Prometheus, JSONL (with the sample ids trained)
             now = time.perf_counter()
             record = step_record(step, version, metrics, inp, wall_seconds=now - last_step_at,
                                  dropped_total=assembler.dropped, lr=lr)
+            epoch = f" epoch {offline.epoch + 1}" if offline is not None else ""
+            if offline is not None:
+                record["epoch"] = offline.epoch + 1
             last_step_at = now
             sink.step(record)
-            say(f"step {step} version {version}")
+            say(f"step {step} version {version}{epoch}")
 
             # 3d. every N steps: weights + optimizer + offsets to S3, then the event on `checkpoints`
             if step % cfg.checkpoint_every == 0:
@@ -194,6 +221,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     finally:
         if sink is not None:
             sink.close()
+        if offline is not None:
+            await offline.close()
         await source.stop()
         await producer.stop()
         trainer.close()

@@ -23,7 +23,7 @@ from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import BoltstreamError
 from boltstream.kafka import consumer_kwargs, log_end_offsets
 
-from .consumer import GroupAssembler
+from .consumer import GroupAssembler, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class BatchSource:
         consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings, None, fetch_max_wait_ms=100))
         await consumer.start()
         self._consumer = consumer
+        self.last_record_at = time.monotonic()  # idle time counts from here (after an offline phase too)
         await consumer.topics()  # metadata for every topic, so partitions_for_topic answers
         parts = consumer.partitions_for_topic(self.topic)
         if not parts:
@@ -80,6 +81,11 @@ class BatchSource:
         logger.info("reading %s from %s (log ends %s)", self.topic,
                     {tp.partition: self.assembler.tracker.positions()[tp.partition] for tp in self.partitions},
                     {tp.partition: end for tp, end in ends.items()})
+
+    def take_step(self, k: int, version: int, max_staleness: int | None = None,
+                  vocab_size: int | None = None) -> StepInput | None:
+        """The next K groups read so far (:meth:`GroupAssembler.take_step`); None until there are K."""
+        return self.assembler.take_step(k, version, max_staleness, vocab_size)
 
     async def stop(self) -> None:
         if self._consumer is not None:

@@ -38,6 +38,30 @@ def test_invalid_values_name_the_field(field: str, value: object) -> None:
         load(LearnerConfig, {field: value}, env={})
 
 
+def test_offline_settings_are_checked_at_start() -> None:
+    cfg = load(LearnerConfig, {"offline": "topic:r.batches", "epochs": "3", "then_online": "true",
+                               "offline_from": "0:5,1:2"}, env={})
+    assert (cfg.offline, cfg.epochs, cfg.then_online, cfg.offline_to) == ("topic:r.batches", 3, True, "now")
+    for given, needle in (({"offline": "x", "epochs": 0}, "epochs"), ({"then_online": True}, "then_online"),
+                          ({"offline": "x", "offline_from": "now"}, "offline_from='now': a range starting"),
+                          ({"offline": "x", "offline_to": "yesterday"}, "offline_to='yesterday': expected"),
+                          ({"offline": "topic:"}, "offline='topic:'")):
+        with pytest.raises(ConfigError, match=needle):
+            load(LearnerConfig, given, env={})
+
+
+def test_learner_state_keeps_the_offline_position() -> None:
+    from boltstream.learner.checkpointing import LearnerState
+
+    state = LearnerState(step=3, version=3, offsets={0: 4}, offline={"source": "a.parquet", "epoch": 1,
+                                                                     "offsets": {"0": 2}})
+    back = LearnerState.from_json(state.to_json())
+    assert back.offsets == {0: 4} and back.offline == {"source": "a.parquet", "epoch": 1, "offsets": {"0": 2}}
+    old = json.loads(state.to_json())
+    del old["offline"]  # a checkpoint written before --offline existed
+    assert LearnerState.from_json(json.dumps(old)).offline is None
+
+
 def test_every_field_is_a_flag_and_flags_reach_the_config(tmp_path: Path) -> None:
     args = vars(parser().parse_args(["--lora", "--lora-r", "8", "--max-staleness", "none", "--no-resume",
                                      "--namespace", "cli.", "--lr", "3e-4"]))
