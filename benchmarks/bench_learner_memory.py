@@ -13,7 +13,7 @@ forward (plus the bytes autograd saved for backward: what the step needs by itse
 the first optimizer step, the later steps. Anonymous vs file-backed memory separates the
 heap from the memory-mapped weights and torch's libraries.
 
-Variants: ``glibc`` (``--malloc-mmap-threshold-kb none``: glibc's rising threshold, the
+Variants (run side by side): ``glibc`` (``--malloc-mmap-threshold-kb none``: glibc's rising threshold, the
 baseline) and ``pinned`` (the learner's default, see learner/memory.py). The ratio of
 their peaks is printed; the goal is the demo's learner under 4 GB. Step seconds are
 printed too (the shared machine makes them noisy). JSON goes to
@@ -130,13 +130,27 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "peak_mb": max(p["peak_rss_mb"] for p in phases), "phases": phases}
 
 
-def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--samples", str(args.samples),
-           "--model", args.model]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode != 0:
-        raise SystemExit(f"variant {name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def run_variants(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every variant in its own process, side by side: both see the same machine load, so their step
+    seconds compare (RSS does not depend on load)."""
+    procs = {}
+    for name in VARIANTS:
+        cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--samples",
+               str(args.samples), "--model", args.model]
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=args.timeout)
+            if proc.returncode != 0:
+                raise SystemExit(f"variant {name} failed ({proc.returncode}):\n{err[-3000:]}")
+            results[name] = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return results
 
 
 def main() -> int:
@@ -144,7 +158,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--samples", type=int, default=16, help="samples per step (the demo: 4 groups x 4)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the variants may take")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 2:
@@ -152,9 +166,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    results = {}
-    for name in VARIANTS:
-        results[name] = r = run_variant(name, args)
+    results = run_variants(args)
+    for name, r in results.items():
         print(f"{name} (mmap threshold {r['malloc_mmap_threshold_kb'] or 'glibc, rising'} KiB): "
               f"peak {r['peak_mb']:.0f} MiB")
         for ph in r["phases"]:
