@@ -109,7 +109,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 saved[ptr] = t.untyped_storage().nbytes()
-            return t
+            # Detached: a node's own output packed as itself would hold its grad_fn, a cycle that kept
+            # this forward's whole graph (1.15 GB) alive into the steps after it.
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             sequence_logprobs(trainer.model, batch, trainer.step_cfg, with_entropy=True)
