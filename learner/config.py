@@ -47,7 +47,8 @@ class StepConfig:
     # Activation memory grows with it (every layer's activations are kept for backward): SmolLM2 + LoRA,
     # 16 samples of ~190 tokens, peaked at 6.7 GB RSS with 4,096 and 2.7 GB with 1,024; with adapters on
     # every linear layer, 32 samples of 150-230 tokens: 8.0 GB at 2,048 (43 s a step), 4.2 GB at 1,024
-    # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU.
+    # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU. (All measured with glibc's
+    # rising mmap threshold, before malloc_mmap_threshold_kb: see docs/learner.md, Memory.)
     max_tokens_per_micro_batch: int = opt(1024, "micro-batch budget, rows x padded length")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
