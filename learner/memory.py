@@ -7,7 +7,7 @@ But each time such a block is freed, glibc *raises* the threshold to that block'
 training step (0.1-8 MiB each for SmolLM2) comes from the malloc heap instead, and a
 freed heap is kept by the process, fragmented, and grows step after step. Measured on
 SmolLM2-135M + LoRA, 16 samples of ~190 tokens, 1,024 tokens per micro-batch
-(``benchmarks/bench_learner_memory.py``): 4.3 GB peak RSS with the rising threshold, 2.3 GB
+(``benchmarks/bench_learner_memory.py``): 4.2 GB peak RSS with the rising threshold, 2.3 GB
 with it pinned, where the step's own saved activations are ~1.15 GB per micro-batch.
 Setting the threshold explicitly (``mallopt``) turns the rising off; the same as starting
 the process with ``MALLOC_MMAP_THRESHOLD_=131072``, but it holds however the learner is
