@@ -23,6 +23,7 @@ import sys
 from boltstream.config import flags_from_dataclass
 
 from .config import LearnerConfig, load_config
+from .memory import pin_mmap_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = load_config(args)
     logging.getLogger("boltstream").setLevel(cfg.log_level.upper())
+    if cfg.malloc_mmap_threshold_kb is not None:  # before the model exists: see learner/memory.py
+        pin_mmap_threshold(cfg.malloc_mmap_threshold_kb)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" at every checkpoint

@@ -19,6 +19,8 @@ from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 from boltstream.log_range import LogRangeError, parse_position
 
+from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "BOLTSTREAM_LEARN_"
@@ -46,7 +48,8 @@ class StepConfig:
     # Activation memory grows with it (every layer's activations are kept for backward): SmolLM2 + LoRA,
     # 16 samples of ~190 tokens, peaked at 6.7 GB RSS with 4,096 and 2.7 GB with 1,024; with adapters on
     # every linear layer, 32 samples of 150-230 tokens: 8.0 GB at 2,048 (43 s a step), 4.2 GB at 1,024
-    # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU.
+    # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU. (All measured with glibc's
+    # rising mmap threshold, before malloc_mmap_threshold_kb: see docs/learner.md, Memory.)
     max_tokens_per_micro_batch: int = opt(1024, "micro-batch budget, rows x padded length")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
@@ -134,6 +137,11 @@ class LearnerConfig:
     max_pending_batches: int = opt(1000, "incomplete split batches held before the oldest is dropped")
     dedupe_window: int = opt(100_000, "batch/sample ids remembered (and checkpointed) to drop duplicates")
     poll_ms: int = opt(500, "broker poll timeout")
+    # --- memory (learner/memory.py): glibc otherwise raises this threshold as big blocks are freed, and
+    # every later activation comes from a heap it keeps: SmolLM2 + LoRA peaked at 4.2 GB instead of 2.3 GB.
+    malloc_mmap_threshold_kb: int | None = opt(128, "allocations of at least this many KiB get their own "
+                                                    "mmap, returned to the OS when freed (none: glibc's "
+                                                    "rising threshold)")
     # --- metrics
     metrics_path: str | None = opt(None, "append one JSON line per step / checkpoint / resume here")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
@@ -154,6 +162,10 @@ class LearnerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.malloc_mmap_threshold_kb is not None and not (
+                0 < self.malloc_mmap_threshold_kb <= GLIBC_MAX_MMAP_THRESHOLD_KB):
+            raise ConfigError("malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
+                              f"must be 1..{GLIBC_MAX_MMAP_THRESHOLD_KB} (or none for glibc's own)")
         if self.lr_warmup_steps < 0:
             raise ConfigError("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
         if not self.checkpoint_retry_s >= 0:  # NaN too

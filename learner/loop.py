@@ -20,6 +20,8 @@ are dropped when their group is taken into a step. Everything that touches the m
 on ONE dedicated thread: glibc gives each thread its own malloc arena and keeps a freed
 peak in it, so steps spread over a thread pool held one activation peak per thread
 (SmolLM2 + LoRA: 7.4 GB RSS after the 4th pool thread vs 4.2 GB on one thread).
+What freed memory glibc still keeps on that one thread is bounded by the pinned mmap threshold
+(:mod:`.memory`, set by ``boltstream learn`` at start).
 """
 
 from __future__ import annotations

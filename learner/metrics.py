@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import resource
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .consumer import StepInput
+from .memory import peak_rss_mb
 from .step import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -73,11 +73,6 @@ def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall
     if lr is not None:
         record["lr"] = lr
     return record
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (the demo reports the learner's; issue: 4 GB)."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
 
 
 def _finite(value: Any) -> Any:
