@@ -201,6 +201,11 @@ class LearnerConfig:
                     parse_position(getattr(self, name), option)
                 except LogRangeError as exc:
                     raise ConfigError(name, getattr(self, name), str(exc).split(": ", 1)[-1]) from None
+            if not self.offline.strip().startswith("topic:"):
+                # before the model loads, not after: a mistyped path should cost nothing
+                from .offline import parquet_files
+
+                parquet_files(self.offline)
         elif self.then_online:
             raise ConfigError("then_online", self.then_online, "continues an --offline run; without --offline the "
                                                                 "learner trains online anyway")
