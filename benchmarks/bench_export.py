@@ -40,10 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aiokafka import AIOKafkaProducer  # noqa: E402
 
 from boltstream.config import Settings, load  # noqa: E402
-from boltstream.kafka import producer_kwargs  # noqa: E402
 from boltstream.log_range import parse_position, read_range, resolve  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
@@ -81,18 +79,9 @@ def make_batches(codec: Codec, topic: str, count: int) -> list[tuple[bytes, byte
 
 
 async def produce(settings: Settings, topic: str, records: list[tuple[bytes, bytes]]) -> int:
-    producer = AIOKafkaProducer(**producer_kwargs(settings, linger_ms=20, max_batch_size=1_000_000))
-    await producer.start()
-    try:
-        pending = []
-        for key, value in records:
-            pending.append(await producer.send(topic, value, key=key))
-            if len(pending) >= 5000:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
+    from tests.integration.streams.stream_helpers import produce as produce_all
+
+    await produce_all(settings, topic, records, linger_ms=20, max_batch_size=1_000_000)
     return sum(len(v) for _, v in records)
 
 

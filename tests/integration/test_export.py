@@ -6,25 +6,23 @@ code: each exported row is compared with the record it came from.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from boltstream.cli import main as cli_main
 from boltstream.config import Settings
 from boltstream.export.rows import batch_records, record_field_names
 from boltstream.export.writers import read_metadata
-from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
 from boltstream.stack import run_sync
 from tests.integration.conftest import boltstream_argv, read_topic
 from tests.integration.learner.helpers import group
 from tests.integration.peak_rss import run_measured
+from tests.integration.streams.stream_helpers import produce
 from tests.unit.schemas.record_examples import EXAMPLES, MINIMAL
 
 GARBAGE = b"\x00\x00\x00\x00\x07not avro"
@@ -42,17 +40,12 @@ def span(i: int, *, llm: bool = True) -> dict[str, Any]:
     return s
 
 
-async def produce(settings: Settings, short: str, record: str, values: list[Any], key: str) -> None:
+async def produce_records(settings: Settings, short: str, record: str, values: list[Any], key: str) -> None:
+    """Encoded ``values`` (raw bytes as they are, keyed ``junk``) in order, each keyed by its ``key`` field."""
     topic, codec = settings.topic(short), Codec()
-    producer = AIOKafkaProducer(**producer_kwargs(settings))
-    await producer.start()
-    try:
-        for v in values:
-            data = v if isinstance(v, bytes) else codec.encode(record, v, topic=topic)
-            k = b"junk" if isinstance(v, bytes) else str(v[key]).encode()
-            await producer.send_and_wait(topic, data, key=k)
-    finally:
-        await producer.stop()
+    await produce(settings, topic, [
+        (b"junk", v) if isinstance(v, bytes) else (str(v[key]).encode(), codec.encode(record, v, topic=topic))
+        for v in values])
 
 
 def _decoded(settings: Settings, short: str, record: str) -> dict[tuple[int, int], dict[str, Any]]:
@@ -90,7 +83,7 @@ def test_round_trip_of_every_kind_loads_with_pandas_and_datasets(settings, run_c
     for short, record, values, key in (("spans", "Span", spans, "rollout_id"),
                                        ("batches", "TrainingBatch", batches, "task_id"),
                                        ("trajectories", "Trajectory", trajectories, "task_id")):
-        run_sync(produce(settings, short, record, [*values[:3], GARBAGE, *values[3:]], key))
+        run_sync(produce_records(settings, short, record, [*values[:3], GARBAGE, *values[3:]], key))
 
     # batches: one row per sample; the rows rebuild exactly the records on the topic
     out = tmp_path / "batches.parquet"
@@ -173,7 +166,7 @@ def rows_by_sample(batches: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 def test_ranges_and_refusals(settings, run_cli, tmp_path: Path, capsys) -> None:
     batches = [r for i in range(8) for r in group(f"g{i}", seed=i)]
-    run_sync(produce(settings, "batches", "TrainingBatch", batches, "task_id"))
+    run_sync(produce_records(settings, "batches", "TrainingBatch", batches, "task_id"))
     out = tmp_path / "b.parquet"
 
     # a range by offsets: partition 0 only, from its first record on
@@ -236,19 +229,8 @@ async def _produce_many(settings: Settings, count: int) -> int:
     """``count`` small spans, pre-encoded, sent without waiting for each ack; returns the bytes produced."""
     codec, topic = Codec(), settings.topic("spans")
     encoded = [(str(i).encode(), codec.encode("Span", small_span(i), topic=topic)) for i in range(DISTINCT)]
-    producer = AIOKafkaProducer(**producer_kwargs(settings, linger_ms=20, max_batch_size=1_000_000))
-    await producer.start()
-    try:
-        pending = []
-        for i in range(count):
-            key, value = encoded[i % DISTINCT]
-            pending.append(await producer.send(topic, value, key=key))
-            if len(pending) >= 5000:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
+    await produce(settings, topic, (encoded[i % DISTINCT] for i in range(count)),
+                  linger_ms=20, max_batch_size=1_000_000)
     return sum(len(v) for _, v in encoded) * count // DISTINCT
 
 

@@ -70,13 +70,14 @@ class WorkerProcess:
 
 async def produce(
     settings: Settings, topic: str, records: Iterable[tuple[bytes | None, bytes | None]], pace: float = 0.0,
-    chunk: int = 50,
+    chunk: int = 50, **producer_settings: Any,
 ) -> list[Any]:
     """Produce ``records`` (key, value) in order and wait for every ack; returns the RecordMetadata list.
 
     ``pace`` > 0 spreads them out: ``chunk`` records, then that many seconds, and so on.
+    ``producer_settings`` override :func:`producer_kwargs` (e.g. a long linger for bulk loads).
     """
-    producer = AIOKafkaProducer(**producer_kwargs(settings))
+    producer = AIOKafkaProducer(**producer_kwargs(settings, **producer_settings))
     await producer.start()
     try:
         futures = []
