@@ -20,6 +20,7 @@ from boltstream.errors import ConfigError
 from boltstream.log_range import LogRangeError, parse_position
 
 from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
+from .offline_source import parquet_files
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +204,6 @@ class LearnerConfig:
                     raise ConfigError(name, getattr(self, name), str(exc).split(": ", 1)[-1]) from None
             if not self.offline.strip().startswith("topic:"):
                 # before the model loads, not after: a mistyped path should cost nothing
-                from .offline import parquet_files
-
                 parquet_files(self.offline)
         elif self.then_online:
             raise ConfigError("then_online", self.then_online, "continues an --offline run; without --offline the "

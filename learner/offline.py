@@ -30,7 +30,6 @@ the dedupe window, next to the live topic's offsets.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
 from collections import Counter
@@ -41,25 +40,19 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from boltstream.config import Settings
-from boltstream.errors import BoltstreamError
 from boltstream.export.rows import BATCH_REQUIRED, batch_column, batch_records, record_field_names
 from boltstream.export.writers import METADATA_KEY
 from boltstream.log_range import LogRange, LogRangeError, PartitionRange, parse_position, read_range, resolve
 
 from .config import LearnerConfig
 from .consumer import GroupAssembler, OffsetTracker, StepInput
+from .offline_source import TOPIC_PREFIX, OfflineError, parquet_files
 
 logger = logging.getLogger(__name__)
 
-TOPIC_PREFIX = "topic:"
 RECORDS_PER_POLL = 256
-PARQUET_SUFFIXES = (".parquet", ".pq")
 
 Item = tuple[int, int, dict[str, Any] | None, str | None]  # partition, offset, batch (or None), problem
-
-
-class OfflineError(BoltstreamError):
-    """The offline dataset cannot be read, or is not the one the run's checkpoint trained on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,23 +73,6 @@ class Dataset:
         if self.log_range is not None:
             return {p.partition: p.start for p in self.log_range.partitions if p.size}
         return dict.fromkeys(range(len(self.files)), 0)
-
-
-def parquet_files(source: str) -> list[Path]:
-    """The Parquet files ``source`` names: a file, a folder's ``*.parquet``, or a glob; in name order."""
-    path = Path(source)
-    if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix.lower() in PARQUET_SUFFIXES and f.is_file())
-    elif any(ch in source for ch in "*?["):
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
-    elif path.is_file():
-        files = [path]
-    else:
-        raise OfflineError(f"--offline {source}: no such file or folder (exported batches Parquet: a file, a folder, "
-                           f"a glob; or {TOPIC_PREFIX}<full topic name>)")
-    if not files:
-        raise OfflineError(f"--offline {source}: no Parquet files there")
-    return files
 
 
 def _check_file(path: Path) -> int:
