@@ -81,8 +81,9 @@ async def test_feedback_by_completion_id_reaches_the_trajectory_once(
     orphan = run_cli("feedback", "--rollout-id", unknown, "--reward", "1")  # no span of it will ever come
     assert orphan.returncode == 0, orphan.stderr[-2000:]
 
-    # a short rollout timeout: the unknown rollout's feedback is given up on within seconds
-    stream = start_worker(app_id, "--group-size", "1", BOLTSTREAM_STREAM_ROLLOUT_TIMEOUT_S="3")
+    # short timeouts: the unknown rollout (feedback alone, no runner: a session) is given up on within seconds
+    stream = start_worker(app_id, "--group-size", "1", BOLTSTREAM_STREAM_ROLLOUT_TIMEOUT_S="3",
+                          BOLTSTREAM_STREAM_SESSION_IDLE_S="3")
     async with TopicReader(settings, settings.topic("trajectories"), "Trajectory") as out:
         await out.until(lambda: len(out.records) >= 2, 90, "the two trajectories")
         by_rollout = {t["rollout_id"]: t for t in out.records}
