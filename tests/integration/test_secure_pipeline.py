@@ -1,6 +1,11 @@
-"""The whole pipeline on ``stack up --secure``: every component (runner + exporter, stream app, learner,
-inference worker, topics admin) reaches the broker over TLS from its environment alone, the worker
-requires an API key, and clients without TLS or without the stack's CA are refused."""
+"""The demo's whole pipeline with a tiny random model, every component a real process, on
+``stack up --secure``: every component (runner + exporter, stream app, learner, inference worker,
+topics admin) reaches the broker over TLS from its environment alone, the worker requires an API
+key, and clients without TLS or without the stack's CA are refused.
+
+The same pipeline on a plaintext embedded stack is ``boltstream demo --zero-code`` in
+test_demo_pipeline.py (and every other integration test's stack): one run of it here is enough.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +59,20 @@ def test_two_learner_steps_over_tls_with_an_api_key(tmp_path: Path, monkeypatch:
     steps = [r for r in read_jsonl(cfg.out / "metrics.jsonl") if r.get("event") == "step"]
     assert [r["step"] for r in steps][:2] == [1, 2]
     assert all(r["samples"] > 0 for r in steps)
+    assert steps[0]["lr"] * 2 == steps[1]["lr"] == cfg.learner_config().lr  # --lr-warmup-steps 2 reached it
+    # paced runner: 2 tasks per policy version, so each step trained on the version just served
+    assert all(set(r["staleness"]) == {"0"} for r in steps)
+    # the worker reloaded the learner's checkpoints: the served policy version moved on
     assert summary["policy_version_served"] >= 2
+    # adapters on every linear layer (the learner's default), MLP included
+    learner_config = (cfg.out / "logs" / "learner.log").read_text().split("learner config:")[1].splitlines()[0]
+    assert "'gate_proj', 'up_proj', 'down_proj'" in learner_config
+    assert "std_normalize=False" in (cfg.out / "logs" / "stream.log").read_text()  # the stream app's default
+    assert abs(summary["improvement"] - (summary["after"]["score"] - summary["before"]["score"])) < 1e-9
+    assert summary["improvement_se"] >= 0
+    assert (cfg.out / "curve.png").stat().st_size > 0
+    saved = json.loads((cfg.out / "summary.json").read_text())
+    assert {"before", "after"} <= saved.keys() and "se" in saved["after"]
     logs = {p.name: p.read_text(errors="replace") for p in (cfg.out / "logs").iterdir()}
     assert all(API_KEY not in text for text in logs.values())
     # The only address any component was given is the TLS listener, which refuses plaintext (above):

@@ -179,7 +179,7 @@ RUNTIME = textwrap.dedent('''
         importlib.import_module(lib)
     assert not [m for m in sys.modules if m.startswith("boltstream")]
 
-    def run(order):
+    def start(order):
         pid = os.fork()
         if pid == 0:
             code = 0
@@ -195,11 +195,20 @@ RUNTIME = textwrap.dedent('''
                 sys.stderr.write(f"{where}: {type(exc).__name__}: {exc}\\n")
                 code = 1
             os._exit(code)
-        return os.waitpid(pid, 0)[1] == 0
+        return pid
 
-    failed = [n for n in names if not run([n])]
-    orders = [random.Random(seed).sample(names, len(names)) for seed in range(3)]
-    failed += [f"order {seed}" for seed, order in enumerate(orders) if not run(order)]
+    # as many forks at a time as there are cores: each is independent of the others
+    jobs = [(n, [n]) for n in names]
+    jobs += [(f"order {seed}", random.Random(seed).sample(names, len(names))) for seed in range(3)]
+    running, failed = {}, []
+    while jobs or running:
+        while jobs and len(running) < (os.cpu_count() or 1):
+            label, order = jobs.pop(0)
+            running[start(order)] = label
+        pid, status = os.wait()
+        label = running.pop(pid)
+        if status != 0:
+            failed.append(label)
     print(json.dumps(failed))
 ''')
 
