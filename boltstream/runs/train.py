@@ -161,6 +161,12 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
 
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
+            summary["stopped_by_time_budget"] = not learner_done()
+            if summary["stopped_by_time_budget"]:
+                # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
+                log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the "
+                            "evaluation before took %.0f s and as much is kept for the one after); raise "
+                            "--time-budget", len(_steps(metrics_path)), cfg.steps, cfg.time_budget_s, eval_s)
             for name in reversed(agents):
                 procs.stop(name)
             # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
@@ -262,3 +268,5 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(f"learner steps: {summary.get('learner_steps')}, policy version served: "
                     f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s, "
                     f"learner peak RSS: {summary.get('learner_peak_rss_mb')} MiB")
+    if summary.get("stopped_by_time_budget"):
+        Console().print("[bold]the time budget ran out before the learner's last step: raise --time-budget[/bold]")

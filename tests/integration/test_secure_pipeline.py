@@ -63,7 +63,7 @@ def test_two_learner_steps_over_tls_with_an_api_key(tmp_path: Path, monkeypatch:
     # paced runner: 2 tasks per policy version, so each step trained on the version just served
     assert all(set(r["staleness"]) == {"0"} for r in steps)
     # the worker reloaded the learner's checkpoints: the served policy version moved on
-    assert summary["policy_version_served"] >= 2
+    assert summary["policy_version_served"] >= 2 and summary["stopped_by_time_budget"] is False
     # adapters on every linear layer (the learner's default), MLP included
     learner_config = (cfg.out / "logs" / "learner.log").read_text().split("learner config:")[1].splitlines()[0]
     assert "'gate_proj', 'up_proj', 'down_proj'" in learner_config
