@@ -25,14 +25,20 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(VENV)/bin/boltstream demo $(DEMO_ARGS)
 
+# One pytest worker per core (TEST_WORKERS=0: one process): most integration tests wait on
+# process start-ups and consumer-group joins, so two run in the time of one on 2 cores.
+# Each worker starts its own embedded stack.
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
-	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) tests/integration $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
