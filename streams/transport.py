@@ -60,9 +60,9 @@ records are buffered and never read, and aiokafka sends no new fetch to a broker
 while a partition of it holds buffered records younger than its
 ``prefetch_backoff`` (100 ms): each time a changelog partition got its first
 record since the assignment, every partition stopped being fetched for 100 ms
-(instrumented, 2-core box: fetches 100 ms apart, 16 such stalls in the first
-~0.4 s of steady load, 40 of 1,000 rollouts at 150-270 ms, the rest under
-150 ms). :class:`TunedConsumerThread` makes aiokafka fetch what faust reads:
+(instrumented, 2-core box, 16 changelog partitions: five fetch gaps of ~100 ms
+in a row as the steady load began, 37-39 of 1,000 rollouts over 150 ms in its
+first second, none in the next three). :class:`TunedConsumerThread` makes aiokafka fetch what faust reads:
 before each fetch it pauses, in aiokafka, the assigned partitions missing
 from faust's active set and resumes the ones back in it (:func:`fetch_only`).
 
