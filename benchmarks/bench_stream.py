@@ -1,6 +1,6 @@
 """Stream app: spans/s through one worker and root-span-to-samples latency, against the pure core alone.
 
-    .venv/bin/python benchmarks/bench_stream.py [--tasks 1500] [--latency-s 10] [--rate 100]
+    .venv/bin/python benchmarks/bench_stream.py [--tasks 1500] [--latency-s 10] [--rate 100] [--latency-only]
 
 On a private embedded stack (Tansu + moto), with the synthetic rollouts of the
 integration tests (1-5 LLM calls, tools some of which fail, ~7.5 spans per
@@ -18,10 +18,11 @@ rollout, groups of 4):
 3. Latency: a worker with group size 1 (no waiting for the rest of a group)
    under a steady ``--rate`` rollouts/s for ``--latency-s`` seconds; per
    rollout, from just before its root span is produced to the first time a
-   consumer reads one of its samples. p50/p99/max.
+   consumer reads one of its samples. p50/p99/max. ``--latency-only`` runs
+   this part alone.
 
-Goals (issue 5): >= 5,000 spans/s per worker, p99 <= 250 ms excluding group
-wait. The load average at start and end is recorded: other processes on the
+Goals: >= 5,000 spans/s per worker (issue 5); p99 <= 100 ms excluding group
+wait (issue 20; issue 5 asked 250 ms). The load average at start and end is recorded: other processes on the
 box (the broker shares the cores too) move every number. JSON goes to
 benchmarks/results/stream.json.
 
@@ -30,7 +31,9 @@ before batch delivery and the pure-core work, load 0.95 at start: pure core
 7,484 spans/s, worker 1,991 (stock faust 1,800), p99 184 ms; after, load 0.84:
 pure core 20,171, worker 9,660 (stock 2,821), p50 37 ms, p99 200 ms; after,
 load 2.60 with another job's model server on the box: pure core 19,030, worker
-5,446 (stock 1,643), p99 192 ms.
+5,446 (stock 1,643), p99 192 ms. That p99 was aiokafka's 100 ms fetch stalls
+at the start of the load (issue 20, streams/transport.py; before/after runs in
+docs/streams.md).
 """
 
 from __future__ import annotations
@@ -235,20 +238,22 @@ async def latency(settings: Settings, tmp: Path, seconds: float, rate: float) ->
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     codec = Codec()
-    sample = make_workload(args.tasks, GROUP, seed=3, run="pure")
-    records = encoded_spans(codec, "bench.spans", sample)
-    results["pure_core_spans_per_s"] = round(statistics.median(pure_core(records, codec) for _ in range(3)), 1)
+    if not args.latency_only:
+        sample = make_workload(args.tasks, GROUP, seed=3, run="pure")
+        records = encoded_spans(codec, "bench.spans", sample)
+        results["pure_core_spans_per_s"] = round(statistics.median(pure_core(records, codec) for _ in range(3)), 1)
     with tempfile.TemporaryDirectory() as tmp_name, embedded_stack(tmp_name, partitions=4) as base:
         tmp = Path(tmp_name)
-        for label, fast in (("fast_consumer", True), ("stock_faust", False)):
+        for label, fast in () if args.latency_only else (("fast_consumer", True), ("stock_faust", False)):
             settings = Settings(**{**base.__dict__, "namespace": f"bench{label[:4]}."})
             await ensure_topics(settings)
             results[f"worker_{label}"] = await throughput(settings, tmp, args.tasks, fast)
         settings = Settings(**{**base.__dict__, "namespace": "benchlat."})
         await ensure_topics(settings)
         results["latency_group_size_1"] = await latency(settings, tmp, args.latency_s, args.rate)
-    best = results["worker_fast_consumer"]["spans_per_s"]
-    results["framework_overhead_ratio"] = round(results["pure_core_spans_per_s"] / best, 2)
+    if not args.latency_only:
+        best = results["worker_fast_consumer"]["spans_per_s"]
+        results["framework_overhead_ratio"] = round(results["pure_core_spans_per_s"] / best, 2)
     return results
 
 
@@ -257,14 +262,14 @@ def main() -> int:
     ap.add_argument("--tasks", type=int, default=1500, help="tasks (x4 rollouts) for the throughput runs")
     ap.add_argument("--latency-s", type=float, default=10.0, help="seconds of steady load for the latency run")
     ap.add_argument("--rate", type=float, default=100.0, help="rollouts/s during the latency run")
+    ap.add_argument("--latency-only", action="store_true", help="run part 3 only (no pure core, no throughput)")
     args = ap.parse_args()
     load_at_start = list(os.getloadavg())
     tune_gc()  # the worker's GC settings, so the pure core is measured like the worker runs it
     results = asyncio.run(run(args))
-    results["goals"] = {
-        "spans_per_s_per_worker>=5000": results["worker_fast_consumer"]["spans_per_s"] >= 5000,
-        "p99_ms<=250": results["latency_group_size_1"]["p99_ms"] <= 250,
-    }
+    results["goals"] = {"p99_ms<=100": results["latency_group_size_1"]["p99_ms"] <= 100}
+    if not args.latency_only:
+        results["goals"]["spans_per_s_per_worker>=5000"] = results["worker_fast_consumer"]["spans_per_s"] >= 5000
     results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
     RESULTS.mkdir(exist_ok=True)
