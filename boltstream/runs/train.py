@@ -265,8 +265,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(t)
     Console().print(f"improvement: {summary['improvement']:+.3f} ± {summary['improvement_se']:.3f} "
                     "(paired over the same held-out tasks)")
-    Console().print(f"learner steps: {summary.get('learner_steps')}, policy version served: "
-                    f"{summary.get('policy_version_served')}, wall time: {summary['wall_s']} s, "
-                    f"learner peak RSS: {summary.get('learner_peak_rss_mb')} MiB")
+    # `boltstream evaluate` has no learner of its own: only the facts a summary holds are printed
+    facts = {"learner steps": summary.get("learner_steps"),
+             "policy version served": summary.get("policy_version_served"),
+             "wall time": f"{summary['wall_s']} s",
+             "learner peak RSS": None if summary.get("learner_peak_rss_mb") is None
+             else f"{summary['learner_peak_rss_mb']} MiB"}
+    Console().print(", ".join(f"{name}: {value}" for name, value in facts.items() if value is not None))
     if summary.get("stopped_by_time_budget"):
         Console().print("[bold]the time budget ran out before the learner's last step: raise --time-budget[/bold]")
