@@ -206,8 +206,8 @@ RUNTIME = textwrap.dedent('''
             label, order = jobs.pop(0)
             running[start(order)] = label
         pid, status = os.wait()
-        label = running.pop(pid)
-        if status != 0:
+        label = running.pop(pid, None)  # None: a child some library started, not ours
+        if label is not None and status != 0:
             failed.append(label)
     print(json.dumps(failed))
 ''')
