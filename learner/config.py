@@ -20,7 +20,7 @@ from boltstream.errors import ConfigError
 from boltstream.log_range import LogRangeError, parse_position
 
 from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
-from .offline_source import parquet_files
+from .offline_source import TOPIC_PREFIX, parquet_files
 
 logger = logging.getLogger(__name__)
 
@@ -195,14 +195,14 @@ class LearnerConfig:
         if self.epochs < 1:
             raise ConfigError("epochs", self.epochs, "must be >= 1")
         if self.offline is not None:
-            if not self.offline.strip() or self.offline.strip() == "topic:":
+            if not self.offline.strip() or self.offline.strip() == TOPIC_PREFIX:
                 raise ConfigError("offline", self.offline, "name Parquet files or topic:<full topic name>")
             for name, option in (("offline_from", "--from"), ("offline_to", "--to")):
                 try:
                     parse_position(getattr(self, name), option)
                 except LogRangeError as exc:
                     raise ConfigError(name, getattr(self, name), str(exc).split(": ", 1)[-1]) from None
-            if not self.offline.strip().startswith("topic:"):
+            if not self.offline.strip().startswith(TOPIC_PREFIX):
                 # before the model loads, not after: a mistyped path should cost nothing
                 parquet_files(self.offline)
         elif self.then_online:
