@@ -65,11 +65,13 @@ class Completion:
 
 @dataclass
 class Generation:
-    """All completions of one request and the policy version whose weights produced every one of them."""
+    """All completions of one request and the policy version (of ``adapter``, when the worker serves
+    several) whose weights produced every one of them."""
 
     prompt_token_ids: list[int]
     completions: list[Completion]
     policy_version: int
+    adapter: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,10 +82,15 @@ class Backend(Protocol):
     model_name: str
     tokenizer: Any
     max_context: int
+    adapters: tuple[str, ...]  # named LoRA adapters on the shared base (empty: one policy)
 
     @property
     def policy_version(self) -> int:
-        """Version of the weights new requests are served with."""
+        """Version of the weights new requests are served with (the default adapter's, with adapters)."""
+        ...
+
+    def version_of(self, adapter: str | None) -> int:
+        """Version ``adapter`` serves now (None: the default); ValueError for an adapter not served."""
         ...
 
     async def start(self) -> None: ...
@@ -91,13 +98,16 @@ class Backend(Protocol):
     async def stop(self) -> None: ...
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None
+        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+        adapter: str | None = None,
     ) -> Generation:
-        """Sample ``params.n`` completions; requests that started before a reload finish on the old weights."""
+        """Sample ``params.n`` completions with ``adapter`` (None: the default); requests that started
+        before a reload finish on the old weights."""
         ...
 
-    async def load_weights(self, path: Path, kind: str, version: int) -> None:
-        """Serve ``path`` (an HF model dir for ``full``, a PEFT adapter dir for ``lora``) as ``version``.
+    async def load_weights(self, path: Path, kind: str, version: int, adapter: str | None = None) -> None:
+        """Serve ``path`` (an HF model dir for ``full``, a PEFT adapter dir for ``lora``) as ``version``
+        of ``adapter`` (None: the one policy of a worker without named adapters).
 
         Raises on anything unusable; the previous version then stays loaded.
         """

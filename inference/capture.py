@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SCOPE = INFERENCE_SCOPE
 MAX_TEXT_ATTR = 32 * 1024  # message texts are for humans (Console); token ids are the training record
+ADAPTER_ATTRIBUTE = "boltstream.adapter"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 
 
@@ -97,10 +98,13 @@ def build_llm_span(
     end_ns: int | None = None,
     resource: Mapping[str, Any] | None = None,
     span_id: str | None = None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
     """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion.
 
     ``span_id``: the one the completion id already names (the first choice's); random otherwise.
+    ``adapter``: the named LoRA adapter that answered (``boltstream.adapter``; its version is
+    ``policy_version``), so a per-role learner can tell whose policy sampled the tokens.
     """
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation,
@@ -127,6 +131,8 @@ def build_llm_span(
         attrs["gen_ai.request.stop_sequences"] = {"strings": list(params.stop)}
     if completion.stop_string is not None:
         attrs["boltstream.stop_string"] = completion.stop_string
+    if adapter is not None:
+        attrs[ADAPTER_ATTRIBUTE] = adapter
     attrs.update(ctx.ids)
     if input_messages is not None:
         attrs["gen_ai.input.messages"] = _clip(json.dumps(input_messages, ensure_ascii=False, default=str))

@@ -62,6 +62,12 @@ class ServeConfig:
     reload: bool = opt(True, "follow the checkpoints topic and reload new versions")
     checkpoint_model: str | None = opt(None, "model name in checkpoint events to follow (default: the served "
                                              "name)")
+    adapters: tuple[str, ...] = opt((), "serve these named LoRA adapters on the one base model, "
+                                        "NAME[=CHECKPOINT_MODEL],... (each follows its own checkpoint model, "
+                                        "default its name; the first is the default adapter; transformers "
+                                        "backend only)")
+    adapter_agents: tuple[str, ...] = opt((), "ADAPTER=REGEX,...: agent names (baggage boltstream.agent_name) "
+                                              "that pick an adapter (default: the adapter's own name)")
     workdir: str | None = opt(None, "where downloaded checkpoints go (default: a temporary directory)")
     gpu_memory_utilization: float = opt(0.85, "vLLM: fraction of GPU memory to use")
     log_level: str = opt("info", "debug | info | warning")
@@ -88,6 +94,24 @@ class ServeConfig:
             if not key:
                 raise ConfigError("api_key_file", self.api_key_file, "the file is empty")
             object.__setattr__(self, "api_key", key)
+        specs = self.adapter_specs  # every mistake in --adapters / --adapter-agents fails at start
+        if specs and self.backend != "transformers":
+            raise ConfigError("adapters", ",".join(self.adapters), "several adapters are served by the transformers "
+                              "backend only (the vLLM backend serves one policy)")
+        if specs and self.checkpoint_model:
+            raise ConfigError("checkpoint_model", self.checkpoint_model, "with --adapters each adapter names its "
+                              "checkpoint model (NAME=CHECKPOINT_MODEL)")
+
+    @property
+    def adapter_specs(self) -> tuple[Any, ...]:
+        """The parsed ``--adapters`` (AdapterSpec), empty for a worker serving one policy."""
+        from boltstream.inference.adapters import parse_adapters
+
+        if not self.adapters:
+            if self.adapter_agents:
+                raise ConfigError("adapter_agents", ",".join(self.adapter_agents), "needs --adapters")
+            return ()
+        return parse_adapters(self.adapters, self.adapter_agents)
 
     @property
     def name(self) -> str:
@@ -119,7 +143,7 @@ def build_backend(cfg: ServeConfig) -> Any:
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
                                max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
-                               max_context=cfg.max_context)
+                               max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs))
 
 
 def build_app(cfg: ServeConfig, workdir: Path) -> Any:
@@ -130,6 +154,7 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     from boltstream.inference.server import create_app
 
     backend = build_backend(cfg)
+    adapters = cfg.adapter_specs
     metrics = Metrics(cfg.name)
     status = ReloadStatus()
     if cfg.capture:
@@ -144,11 +169,14 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
         sink = MemorySpanSink(keep=0)
     follower = None
     if cfg.reload:
-        follower = CheckpointFollower(cfg.settings, backend, model_name=cfg.checkpoint_model or cfg.name,
-                                      workdir=workdir, status=status, metrics=metrics)
+        targets: dict[str, str | None] = {a.checkpoint_model: a.name for a in adapters} or {
+            cfg.checkpoint_model or cfg.name: None}
+        follower = CheckpointFollower(cfg.settings, backend, targets=targets, workdir=workdir, status=status,
+                                      metrics=metrics)
     names = tuple(dict.fromkeys((cfg.name, cfg.model)))
     return create_app(backend, sink=sink, served_names=names, follower=follower, status=status,
-                      metrics=metrics, default_max_tokens=cfg.default_max_tokens, api_key=cfg.api_key)
+                      metrics=metrics, default_max_tokens=cfg.default_max_tokens, api_key=cfg.api_key,
+                      adapters=adapters)
 
 
 def main(argv: list[str]) -> int:

@@ -61,8 +61,9 @@ class Metrics:
         """Report the capture spool's counters (read at each scrape: the sink owns them)."""
         self.registry.register(_SpoolCollector(stats))
 
-    def set_version(self, version: int) -> None:
-        self.policy_version.labels(self.model_name).set(version)
+    def set_version(self, version: int, adapter: str | None = None) -> None:
+        """The served version, labelled with the adapter's name on a worker serving several."""
+        self.policy_version.labels(adapter or self.model_name).set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -78,6 +78,7 @@ class ParsedRequest:
     tool_choice: Any = None
     messages: list[Any] | None = None
     prompt_text: list[str] = field(default_factory=list)
+    adapter: str | None = None  # the named adapter that answers (None: a worker without adapters)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

@@ -8,6 +8,10 @@ loads that (falling back to older announced versions if it is refused), then
 follows new events. Only versions newer than the one being
 served are applied; when several arrive at once only the newest is loaded.
 
+A worker serving several adapters follows one checkpoint model name per
+adapter (``targets``): each adapter's versions are found, compared, applied and
+refused on their own, so one adapter's reload never moves another's version.
+
 A checkpoint that fails anywhere (missing manifest, a file whose sha256 or
 size differs, weights that do not fit the model) is refused with a logged
 error and counted; the worker keeps serving the version it had.
@@ -40,12 +44,27 @@ class ReloadStatus:
         self.last_reload_seconds: float | None = None
         self.last_fetch_seconds: float | None = None
         self.caught_up = False
+        # Per adapter (workers serving several): {"reloads", "reload_failures", "last_reload_error"}.
+        self.by_adapter: dict[str, dict[str, Any]] = {}
         self._changed: asyncio.Condition | None = None
 
     def _cond(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
+
+    def record(self, adapter: str | None, error: str | None) -> None:
+        """Count one reload (``error`` None) or one refused checkpoint."""
+        if error is None:
+            self.reloads += 1
+        else:
+            self.failures += 1
+        self.last_error = error
+        if adapter is not None:
+            mine = self.by_adapter.setdefault(adapter, {"reloads": 0, "reload_failures": 0,
+                                                        "last_reload_error": None})
+            mine["reloads" if error is None else "reload_failures"] += 1
+            mine["last_reload_error"] = error
 
     async def notify(self) -> None:
         async with self._cond():
@@ -63,14 +82,18 @@ class ReloadStatus:
 
 
 class CheckpointFollower:
-    """Applies CheckpointEvents for ``model_name`` to ``backend``; see the module docstring."""
+    """Applies CheckpointEvents to ``backend``; see the module docstring.
+
+    ``targets``: checkpoint model name -> the adapter its versions load into (None: the worker's one
+    policy).
+    """
 
     def __init__(
         self,
         settings: Any,
         backend: Backend,
         *,
-        model_name: str,
+        targets: dict[str, str | None],
         workdir: str | Path,
         status: ReloadStatus,
         metrics: Metrics | None = None,
@@ -82,7 +105,7 @@ class CheckpointFollower:
 
         self.settings = settings
         self.backend = backend
-        self.model_name = model_name
+        self.targets = dict(targets)
         self.workdir = Path(workdir)
         self.status = status
         self.metrics = metrics
@@ -120,18 +143,20 @@ class CheckpointFollower:
             await self._consumer.stop()
             self._consumer = None
 
-    def _relevant(self, records: list[Any]) -> list[dict[str, Any]]:
-        """Events for our model among ``records`` newer than what we serve, newest first, one per version."""
-        by_version: dict[int, dict[str, Any]] = {}
+    def _relevant(self, records: list[Any]) -> dict[str, list[dict[str, Any]]]:
+        """Per followed model, its events among ``records`` newer than what its adapter serves, newest
+        first, one per version."""
+        by_model: dict[str, dict[int, dict[str, Any]]] = {}
         for rec in records:
             try:
                 event = self.codec.decode(rec.value, topic=self.topic, expect="CheckpointEvent")
             except Exception as exc:  # a foreign or corrupt record must not stop reloads
                 log.warning("skipping undecodable record %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
                 continue
-            if event["model"] == self.model_name and event["version"] > self.backend.policy_version:
-                by_version[int(event["version"])] = event  # a later record of a version wins
-        return [by_version[v] for v in sorted(by_version, reverse=True)]
+            model = event["model"]
+            if model in self.targets and event["version"] > self.backend.version_of(self.targets[model]):
+                by_model.setdefault(model, {})[int(event["version"])] = event  # a later record of a version wins
+        return {m: [vs[v] for v in sorted(vs, reverse=True)] for m, vs in by_model.items()}
 
     async def _caught_up(self, tps: list[Any], ends: dict[Any, int]) -> bool:
         for tp in tps:
@@ -149,56 +174,59 @@ class CheckpointFollower:
             history += [r for recs in batches.values() for r in recs]
         self.status.caught_up = True
         # Newest first; a refused version (pruned files, corruption) falls back to the one before it.
-        for event in self._relevant(history):
-            if await self._apply(event):
-                break
+        for events in self._relevant(history).values():
+            for event in events:
+                if await self._apply(event):
+                    break
         await self.status.notify()
-        log.info("following %s for model %r from policy version %d", self.topic, self.model_name,
-                 self.backend.policy_version)
+        for model, adapter in self.targets.items():
+            log.info("following %s for model %r from policy version %d%s", self.topic, model,
+                     self.backend.version_of(adapter), f" (adapter {adapter})" if adapter else "")
         while True:
             batches = await self._consumer.getmany(timeout_ms=1000)
-            events = self._relevant([r for recs in batches.values() for r in recs])
-            if events:
+            for events in self._relevant([r for recs in batches.values() for r in recs]).values():
                 await self._apply(events[0])
 
     async def _apply(self, event: dict[str, Any]) -> bool:
         """Fetch, verify and load one version; False (logged, counted) when it was refused."""
         version, kind = int(event["version"]), str(event.get("kind") or "full")
+        model = event["model"]
+        adapter = self.targets[model]
         t0 = time.perf_counter()
-        dest = self.workdir / f"v{version}"
+        dest = self.workdir / (f"v{version}" if adapter is None else f"{adapter}-v{version}")
         try:
             path = await asyncio.to_thread(fetch_checkpoint, self.s3, event, dest)
             fetched = time.perf_counter()
-            await self.backend.load_weights(path, kind, version)
+            await self.backend.load_weights(path, kind, version, adapter)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.status.failures += 1
-            self.status.last_error = f"v{version}: {exc}"
+            self.status.record(adapter, f"{model} v{version}: {exc}" if adapter else f"v{version}: {exc}")
             if self.metrics:
                 self.metrics.reload_failures.inc()
-            log.error("refused checkpoint %s v%d (%s): %s; still serving v%d", self.model_name, version,
-                      event.get("manifest_uri"), exc, self.backend.policy_version)
+            log.error("refused checkpoint %s v%d (%s): %s; still serving v%d", model, version,
+                      event.get("manifest_uri"), exc, self.backend.version_of(adapter))
             shutil.rmtree(dest, ignore_errors=True)
             await self.status.notify()
             return False
         elapsed = time.perf_counter() - t0
-        self.status.reloads += 1
-        self.status.last_error = None
+        self.status.record(adapter, None)
         self.status.last_reload_seconds = elapsed
         self.status.last_fetch_seconds = fetched - t0
         if self.metrics:
             self.metrics.reloads.labels(kind).inc()
             self.metrics.reload_seconds.labels(kind).observe(elapsed)
-            self.metrics.set_version(version)
-        log.info("reloaded %s v%d (%s) in %.3fs (download + verify %.3fs, load %.3fs)", self.model_name,
+            self.metrics.set_version(version, adapter)
+        log.info("reloaded %s v%d (%s) in %.3fs (download + verify %.3fs, load %.3fs)", model,
                  version, kind, elapsed, fetched - t0, elapsed - (fetched - t0))
-        self._cleanup(keep=dest)
+        self._cleanup(keep=dest, adapter=adapter)
         await self.status.notify()
         return True
 
-    def _cleanup(self, keep: Path) -> None:
-        """Drop downloaded versions other than the one just loaded (weights live in memory now)."""
+    def _cleanup(self, keep: Path, adapter: str | None) -> None:
+        """Drop this policy's downloaded versions other than the one just loaded (weights live in memory
+        now); other adapters' downloads are theirs to drop."""
+        prefix = "v" if adapter is None else f"{adapter}-v"
         for d in self.workdir.iterdir():
-            if d.is_dir() and d != keep:
+            if d.is_dir() and d != keep and d.name.startswith(prefix) and d.name[len(prefix):].isdigit():
                 shutil.rmtree(d, ignore_errors=True)

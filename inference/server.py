@@ -3,8 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``POST /v1/feedback`` (a reward for a rollout that already ran, by completion id or rollout /
 session / trace id; 202 once the broker acknowledged its reward span: producers/feedback.py),
-``GET /health`` (loaded policy version, reload state; ``?min_version=N&timeout=S``
-waits for a version, so tests and benchmarks need no polling loops),
+``GET /health`` (loaded policy version, every adapter's, reload state; ``?min_version=N&timeout=S``
+waits for a version, of ``&adapter=NAME`` when given, so tests and benchmarks need no polling loops),
 ``GET /metrics`` (Prometheus). Every route also answers under
 ``/rollout/<rollout_id>[/<attempt_id>/<task_id>]/...`` for agents that can only
 set a base URL; the ids are taken from the path.
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from boltstream.inference.adapters import AdapterSpec
 from boltstream.inference.auth import ApiKeyMiddleware
 from boltstream.inference.backend import Backend
 from boltstream.inference.capture import CallContext, SpanSink
@@ -94,15 +95,18 @@ def create_app(
     metrics: Metrics | None = None,
     default_max_tokens: int = 256,
     api_key: str | None = None,
+    adapters: tuple[AdapterSpec, ...] = (),
 ) -> FastAPI:
     """The worker app; starting it (lifespan) starts the backend, the span sink and the checkpoint follower.
 
     With ``api_key``, ``/v1/...`` requests without that bearer token get 401 (:mod:`.auth`).
+    ``adapters``: the named LoRA adapters ``backend`` serves; each is also a model name clients may send.
     """
     metrics = metrics or Metrics(served_names[0])
     status = status or ReloadStatus()
+    served_names = tuple(dict.fromkeys((*served_names, *(a.name for a in adapters))))
     service = CompletionService(backend, sink, metrics, served_names=served_names,
-                                default_max_tokens=default_max_tokens)
+                                default_max_tokens=default_max_tokens, adapters=adapters)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -112,6 +116,8 @@ def create_app(
             await sink.start()
             try:
                 metrics.set_version(backend.policy_version)
+                for a in adapters:
+                    metrics.set_version(backend.version_of(a.name), a.name)
                 if follower is not None:
                     await follower.start()
                 try:
@@ -164,6 +170,7 @@ def create_app(
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             req = service.parse_chat(body) if kind == "chat" else service.parse_completion(body)
+            service.route(req, request.headers)
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
@@ -199,10 +206,15 @@ def create_app(
         return {"object": "feedback", "status": "accepted", "rollout_key": fb.key, "span_id": fb.span_id,
                 "name": fb.name, "reward": fb.value}
 
+    adapter_names = {a.name for a in adapters}
+
     def _model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "boltstream",
+        card = {"id": name, "object": "model", "created": created, "owned_by": "boltstream",
                 "root": served_names[0], "max_model_len": backend.max_context,
-                "policy_version": backend.policy_version}
+                "policy_version": backend.version_of(name if name in adapter_names else None)}
+        if name in adapter_names:
+            card["adapter"] = name
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -216,9 +228,14 @@ def create_app(
 
     @app.get("/health")
     async def health(min_version: int | None = None, min_failures: int | None = None,
-                     timeout: float = 0.0) -> dict[str, Any]:
+                     timeout: float = 0.0, adapter: str | None = None) -> dict[str, Any]:
+        if adapter is not None and adapter not in adapter_names:
+            raise ApiError(404, f"adapter {adapter!r} is not served by this worker (it serves "
+                                f"{', '.join(sorted(adapter_names)) or 'no named adapters'})", param="adapter",
+                           code="adapter_not_found")
+
         def ready() -> bool:
-            return (min_version is None or backend.policy_version >= min_version) and (
+            return (min_version is None or backend.version_of(adapter) >= min_version) and (
                 min_failures is None or status.failures >= min_failures)
 
         if timeout > 0 and not math.isnan(timeout):
@@ -235,6 +252,11 @@ def create_app(
             "last_fetch_seconds": status.last_fetch_seconds,
             "following_checkpoints": follower is not None,
             "caught_up": status.caught_up,
+            "adapters": {a.name: {"policy_version": backend.version_of(a.name),
+                                  "checkpoint_model": a.checkpoint_model,
+                                  **status.by_adapter.get(a.name, {"reloads": 0, "reload_failures": 0,
+                                                                   "last_reload_error": None})}
+                         for a in adapters},
         }
 
     @app.get("/metrics")

@@ -19,6 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from boltstream.inference import protocol as P
+from boltstream.inference.adapters import (
+    HEADER_ADAPTER,
+    AdapterSpec,
+    UnknownAdapter,
+    agent_name_from_headers,
+    select_adapter,
+)
 from boltstream.inference.backend import Backend, Completion, Generation
 from boltstream.inference.capture import CallContext, SpanSink, build_llm_span
 from boltstream.inference.chat import parse_tool_calls, render_prompt, validate_tools
@@ -36,8 +43,9 @@ class CompletionService:
     """Turns parsed OpenAI requests into generations, spans and responses."""
 
     def __init__(self, backend: Backend, sink: SpanSink, metrics: Metrics, *, served_names: tuple[str, ...],
-                 default_max_tokens: int = 256) -> None:
+                 default_max_tokens: int = 256, adapters: tuple[AdapterSpec, ...] = ()) -> None:
         self.backend = backend
+        self.adapters = adapters
         self.sink = sink
         self.metrics = metrics
         self.served_names = served_names
@@ -72,6 +80,20 @@ class CompletionService:
                                P.parse_logprobs(body, "completion"), bool(body.get("return_token_ids")),
                                prompt_text=texts)
 
+    def route(self, req: P.ParsedRequest, headers: Any) -> None:
+        """Pick the adapter that answers ``req`` (:func:`~boltstream.inference.adapters.select_adapter`)."""
+        header = headers.get(HEADER_ADAPTER)
+        if not self.adapters:
+            if header:
+                raise ApiError(404, f"{HEADER_ADAPTER}: this worker serves no named adapters (start it with "
+                                    "--adapters)", param=HEADER_ADAPTER, code="adapter_not_found")
+            return
+        try:
+            req.adapter, _ = select_adapter(self.adapters, header=header, model=req.model,
+                                            agent_name=agent_name_from_headers(headers))
+        except UnknownAdapter as exc:
+            raise ApiError(404, str(exc), param=HEADER_ADAPTER, code="adapter_not_found") from None
+
     # ---------------------------------------------------------------- capture
 
     @staticmethod
@@ -98,7 +120,8 @@ class CompletionService:
                     prompt_ids=gen.prompt_token_ids, completion=c, choice_index=k, params=req.params,
                     policy_version=gen.policy_version,
                     input_messages=req.messages if req.kind == "chat" else req.prompt_text[p],
-                    output_text=texts[k], end_ns=end, span_id=first_span_id if k == 0 else None))
+                    output_text=texts[k], end_ns=end, span_id=first_span_id if k == 0 else None,
+                    adapter=gen.adapter))
         return spans
 
     async def _capture(self, spans: list[dict[str, Any]]) -> None:
@@ -150,7 +173,8 @@ class CompletionService:
     async def complete(self, req: P.ParsedRequest, ctx: CallContext) -> dict[str, Any]:
         """Non-streaming: every prompt generated concurrently (they batch together)."""
         t0 = time.perf_counter()
-        gens = list(await asyncio.gather(*(self.backend.generate(p, req.params) for p in req.prompts)))
+        gens = list(await asyncio.gather(*(self.backend.generate(p, req.params, adapter=req.adapter)
+                                           for p in req.prompts)))
         completions = [c for g in gens for c in g.completions]
         rid, first_span_id = self._response_id(req, ctx)
         await self._capture(self._spans(req, ctx, rid, gens, [c.text for c in completions], first_span_id))
@@ -184,7 +208,7 @@ class CompletionService:
         t0 = time.perf_counter()
         n = req.params.n
         rid, first_span_id = self._response_id(req, ctx)
-        version = self.backend.policy_version
+        version = self.backend.version_of(req.adapter)
         events: asyncio.Queue[tuple[int, int, float]] = asyncio.Queue()
         streams = {k: P.TextStream(self.tokenizer, req.params.stop) for k in range(len(req.prompts) * n)}
         pending_lp: dict[int, list[tuple[int, float]]] = {k: [] for k in streams}
@@ -193,7 +217,7 @@ class CompletionService:
         def callback(p: int) -> Any:
             return lambda choice, tok, lp: events.put_nowait((p * n + choice, tok, lp))
 
-        tasks = [asyncio.create_task(self.backend.generate(prompt, req.params, callback(p)))
+        tasks = [asyncio.create_task(self.backend.generate(prompt, req.params, callback(p), req.adapter))
                  for p, prompt in enumerate(req.prompts)]
         done = asyncio.gather(*tasks)
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception not retrieved"

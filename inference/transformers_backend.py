@@ -12,6 +12,15 @@ start; the whole batch runs on it and every result is tagged with its
 version. After a reload the running batch stops taking new requests, drains
 on the old weights, and the next batch starts on the new ones
 (:mod:`boltstream.inference.weights`).
+
+Several named adapters (``adapters=``, :mod:`boltstream.inference.adapters`)
+share the one base model; each has its own policy. A batch runs ONE adapter's
+policy, so no row is ever decoded with another request's adapter: it starts
+with the oldest pending request's adapter, takes that adapter's pending
+requests, and stops taking joiners as soon as the oldest waiting request wants
+another adapter (which then gets the next batch). The price, measured by
+``benchmarks/bench_serving.py --adapters 2``: interleaved traffic for two
+adapters decodes in smaller batches than the same traffic for one.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +58,7 @@ class _Request:
     on_token: TokenCallback | None
     future: asyncio.Future[Generation]
     rows_left: int = 0
+    adapter: str | None = None  # key of the policy it runs on (None: the worker's one policy)
 
 
 class TransformersBackend(WeightSwapping):
@@ -63,8 +74,10 @@ class TransformersBackend(WeightSwapping):
         max_batch_size: int = 16,
         batch_window_ms: float = 2.0,
         max_context: int | None = None,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         self.model_name = model_name
+        self.adapters = tuple(adapters)
         self.tokenizer = tokenizer
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window = max(0.0, batch_window_ms) / 1000.0
@@ -78,7 +91,10 @@ class TransformersBackend(WeightSwapping):
         self._vocab = model.get_output_embeddings().weight.shape[0]
         self._peft: Any = None
         self._slot_shapes: dict[str, dict[str, Any]] = {}
-        self._policy = Policy(model, policy_version)
+        # One policy per adapter (all on the base weights until their first checkpoint), or one: key None.
+        self._policies: dict[str | None, Policy] = {k: Policy(model, policy_version)
+                                                    for k in (self.adapters or (None,))}
+        self._lock = threading.Lock()  # _pending: appended on the loop, filtered in the generation thread
         self._batch_policy: Policy | None = None  # policy of the batch being decoded right now
         self._pending: deque[_Request] = deque()  # appended by the loop, popped by loop or generation thread
         self._in_job: list[_Request] = []
@@ -90,7 +106,10 @@ class TransformersBackend(WeightSwapping):
 
     @property
     def policy_version(self) -> int:
-        return self._policy.version
+        return self.version_of(None)
+
+    def version_of(self, adapter: str | None) -> int:
+        return self._policies[self._key(adapter)].version
 
     @property
     def device(self) -> Any:
@@ -116,23 +135,37 @@ class TransformersBackend(WeightSwapping):
         self._pending.clear()
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None
+        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+        adapter: str | None = None,
     ) -> Generation:
+        key = self._key(adapter)
         if self._task is None or self._wakeup is None or self._closing:
             raise RuntimeError("backend not started")
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), params, on_token, future, params.n))
+        with self._lock:
+            self._pending.append(_Request(list(prompt_ids), params, on_token, future, params.n, key))
         self._wakeup.set()
         return await future
 
-    def _take(self, rows: int) -> list[_Request]:
-        """Pending requests (FIFO) that fit next to ``rows`` running sequences; always one if none run."""
+    def _take(self, rows: int, key: str | None, joining: bool = False) -> list[_Request]:
+        """Pending requests of policy ``key`` (FIFO) that fit next to ``rows`` running sequences; always
+        one if none run. ``joining``: none while the oldest pending request wants another adapter."""
         taken: list[_Request] = []
-        while self._pending and (rows == 0 or rows + self._pending[0].params.n <= self.max_batch_size):
-            req = self._pending.popleft()
-            if not req.future.done():  # skip requests whose client already left
-                taken.append(req)
-                rows += req.params.n
+        with self._lock:
+            live = [r for r in self._pending if not r.future.done()]  # drop requests whose client left
+            if joining and live and live[0].adapter != key:
+                self._pending = deque(live)
+                return taken
+            kept: deque[_Request] = deque()
+            full = False
+            for req in live:
+                if req.adapter == key and not full and (rows == 0 or rows + req.params.n <= self.max_batch_size):
+                    taken.append(req)
+                    rows += req.params.n
+                else:
+                    full = full or req.adapter == key  # FIFO within an adapter: none overtakes one that waits
+                    kept.append(req)
+            self._pending = kept
         return taken
 
     async def _batch_loop(self) -> None:
@@ -151,13 +184,15 @@ class TransformersBackend(WeightSwapping):
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except TimeoutError:
                     break
-            batch = self._take(0)
+            with self._lock:
+                key = self._pending[0].adapter if self._pending else None
+            batch = self._take(0, key)
             if not batch:
                 continue
-            policy = self._batch_policy = self._policy  # the version this whole batch runs on
+            policy = self._batch_policy = self._policies[key]  # the version this whole batch runs on
             self._in_job = list(batch)
             try:
-                await self._loop.run_in_executor(self._executor, self._run_batch, policy, batch)
+                await self._loop.run_in_executor(self._executor, self._run_batch, policy, batch, key)
             except Exception as exc:
                 log.exception("generation batch failed")
                 for req in self._in_job:
@@ -186,9 +221,10 @@ class TransformersBackend(WeightSwapping):
             if r.stop_string is not None:
                 text, _ = cut_at_stop(text, r.params.stop)
             completions.append(Completion(r.ids, r.logprobs, r.finish or FINISH_LENGTH, text, r.stop_string))
-        self._loop.call_soon_threadsafe(self._resolve, req, Generation(req.prompt_ids, completions, version))
+        self._loop.call_soon_threadsafe(self._resolve, req, Generation(req.prompt_ids, completions, version,
+                                                                         req.adapter))
 
-    def _run_batch(self, policy: Policy, batch: list[_Request]) -> None:
+    def _run_batch(self, policy: Policy, batch: list[_Request], key: str | None) -> None:
         """Decode ``batch`` (and requests that join it) on ``policy`` until every row has finished."""
         import torch
 
@@ -198,9 +234,9 @@ class TransformersBackend(WeightSwapping):
         elif self._peft is not None and policy.model is self._base:
             ctx = self._peft.disable_adapter()  # base weights while adapters are injected
         with torch.inference_mode(), ctx:
-            self._decode(policy, batch)
+            self._decode(policy, batch, key)
 
-    def _decode(self, policy: Policy, batch: list[_Request]) -> None:
+    def _decode(self, policy: Policy, batch: list[_Request], key: str | None) -> None:
         model, device = policy.model, self.device
         rows = decoding.make_rows(batch)
         rows_of: dict[int, list[decoding.Row]] = {}
@@ -209,8 +245,8 @@ class TransformersBackend(WeightSwapping):
         state = decoding.prefill(model, rows, self.pad_id, device)
         joinable = decoding.can_join(state)
         while True:
-            if joinable and self._policy is policy and self._pending and not self._closing:
-                joiners = self._take(len(state.rows))
+            if joinable and self._policies[key] is policy and self._pending and not self._closing:
+                joiners = self._take(len(state.rows), key, joining=True)
                 if joiners:
                     self._in_job.extend(joiners)
                     self.joined += len(joiners)

@@ -97,8 +97,15 @@ class VllmBackend:
         return cls(args, tokenizer, model_name=cfg.name, model_path=path, policy_version=cfg.policy_version,
                    max_context=max_context, lora=cfg.lora)
 
+    adapters: tuple[str, ...] = ()  # one policy; several adapters are refused at config (serve --adapters)
+
     @property
     def policy_version(self) -> int:
+        return self._version
+
+    def version_of(self, adapter: str | None) -> int:
+        if adapter is not None:
+            raise ValueError(f"adapter {adapter!r}: the vLLM backend serves no named adapters")
         return self._version
 
     async def start(self) -> None:
@@ -113,12 +120,14 @@ class VllmBackend:
             self._engine = None
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None
+        self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+        adapter: str | None = None,
     ) -> Generation:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        self.version_of(adapter)  # refuses a named adapter
         await self._open.wait()
         version, lora = self._version, self._lora  # this request's policy, fixed now
         sp = VSamplingParams(
@@ -156,7 +165,8 @@ class VllmBackend:
                                           stop if isinstance(stop, str) else None))
         return Generation(list(prompt_ids), completions, version)
 
-    async def load_weights(self, path: Path, kind: str, version: int) -> None:
+    async def load_weights(self, path: Path, kind: str, version: int, adapter: str | None = None) -> None:
+        self.version_of(adapter)  # refuses a named adapter
         if kind == "lora":
             await self._load_lora(Path(path), version)
         elif kind == "full":

@@ -13,7 +13,11 @@ per batch, so:
   a first adapter or a new shape changes modules, which happens in the
   generation thread, between batches.
 
-LoRA adapters apply to the weights the worker started with.
+LoRA adapters apply to the weights the worker started with. With several named
+adapters (:mod:`boltstream.inference.adapters`) each has its own two slots
+(``<name>-a``, ``<name>-b``) in the one PEFT model over the shared base, and its
+own policy: reloading one never touches another's slots or version. Full
+checkpoints are refused then: they would replace the base every adapter shares.
 """
 
 from __future__ import annotations
@@ -43,37 +47,57 @@ class Policy:
     adapter: str | None = None
 
 
+def lora_slots(adapter: str | None) -> tuple[str, str]:
+    """The two PEFT adapter names a policy alternates between (None: the worker's one policy)."""
+    return LORA_SLOTS if adapter is None else (f"{adapter}-a", f"{adapter}-b")
+
+
 class WeightSwapping:
-    """Mixed into TransformersBackend; relies on its ``_base``, ``_peft``, ``_policy``, ``_executor``."""
+    """Mixed into TransformersBackend; relies on its ``_base``, ``_peft``, ``_policies``, ``_executor``."""
 
     _base: Any
     _peft: Any
-    _policy: Policy
+    _policies: dict[str | None, Policy]
+    adapters: tuple[str, ...]
     _batch_policy: Policy | None
     _executor: Any
     _vocab: int
     _slot_shapes: dict[str, dict[str, Any]]
     device: Any
 
-    async def load_weights(self, path: Path, kind: str, version: int) -> None:
+    def _key(self, adapter: str | None) -> str | None:
+        """The policy key of ``adapter`` (None: the default one); ValueError naming what is served."""
+        if adapter is None:
+            return self.adapters[0] if self.adapters else None
+        if adapter not in self.adapters:
+            served = ", ".join(self.adapters) if self.adapters else "no named adapters"
+            raise ValueError(f"adapter {adapter!r} is not served by this worker (it serves {served})")
+        return adapter
+
+    async def load_weights(self, path: Path, kind: str, version: int, adapter: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         path = Path(path)
+        key = self._key(adapter)
         if kind == "full":
+            if key is not None:
+                raise CheckpointError(f"adapter {key!r}: a full checkpoint cannot be served as one of several "
+                                      "adapters on a shared base model; publish LoRA checkpoints (kind 'lora')")
             model = await loop.run_in_executor(None, self._load_full, path)
-            self._policy = Policy(model, version)
+            self._policies[key] = Policy(model, version)
         elif kind == "lora":
-            slot = LORA_SLOTS[1] if self._policy.adapter == LORA_SLOTS[0] else LORA_SLOTS[0]
+            slots = lora_slots(key)
+            slot = slots[1] if self._policies[key].adapter == slots[0] else slots[0]
             running = self._batch_policy.adapter if self._batch_policy is not None else None
             if self._lora_fits(path, slot) and running != slot:
                 # Same shape as the slot's adapter and no running batch uses the slot: copy the tensors
                 # now, next to the running batch (its forward only touches its own adapter).
                 await loop.run_in_executor(None, self._copy_lora, path, slot)
             else:  # first adapter or a new shape: change modules between batches, in the generation thread
-                await loop.run_in_executor(self._executor, self._build_lora, path, slot)
-            self._policy = Policy(self._peft, version, slot)
+                await loop.run_in_executor(self._executor, self._build_lora, path, slot, slots)
+            self._policies[key] = Policy(self._peft, version, slot)
         else:
             raise CheckpointError(f"unknown checkpoint kind {kind!r}")
-        log.info("now serving policy version %d (%s)", version, kind)
+        log.info("now serving policy version %d (%s)%s", version, kind, f" of adapter {key}" if key else "")
 
     def _load_full(self, path: Path) -> Any:
         """A fresh model object from an HF directory; refused unless every weight loaded."""
@@ -116,23 +140,24 @@ class WeightSwapping:
         weights = load_file(path / "adapter_model.safetensors", device=str(self.device))
         with torch.no_grad():
             result = set_peft_model_state_dict(self._peft, weights, adapter_name=slot)
-        missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}" in k]
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{slot}." in k]
         if result.unexpected_keys or missing:
             raise CheckpointError(f"adapter {path} does not fit the model: unexpected "
                                   f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
 
-    def _build_lora(self, path: Path, slot: str) -> None:
-        """(Re)create ``slot`` from an adapter directory; runs between batches in the generation thread."""
+    def _build_lora(self, path: Path, slot: str, slots: tuple[str, str]) -> None:
+        """(Re)create ``slot`` (one of ``slots``) from an adapter directory; runs between batches in the
+        generation thread."""
         from peft import PeftModel
 
         shape = self._lora_shape(path)
         if self._peft is None:
             self._peft = PeftModel.from_pretrained(self._base, path, adapter_name=slot, is_trainable=False)
         else:
-            other = LORA_SLOTS[1] if slot == LORA_SLOTS[0] else LORA_SLOTS[0]
             if slot in self._peft.peft_config:
-                if other in self._peft.peft_config:
-                    self._peft.set_adapter(other)
+                others = [s for s in (*slots, *self._peft.peft_config) if s != slot and s in self._peft.peft_config]
+                if others:  # PEFT refuses to delete the active adapter
+                    self._peft.set_adapter(others[0])
                 self._peft.delete_adapter(slot)
             self._peft.load_adapter(path, adapter_name=slot, is_trainable=False)
         self._slot_shapes[slot] = shape

@@ -129,7 +129,7 @@ async def test_a_bfloat16_serving_copy_loads_into_the_workers_dtype(tmp_path: Pa
     backend = await _started(_fresh(0))
     try:
         await backend.load_weights(tmp_path / "v1", "full", 1)
-        served = backend._policy.model
+        served = backend._policies[None].model
         assert {p.dtype for p in served.parameters()} == {torch.float32}
         for a, b in zip(served.parameters(), rounded.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

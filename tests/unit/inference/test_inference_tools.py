@@ -22,6 +22,7 @@ class ScriptedBackend:
 
     model_name = "tiny"
     max_context = 4096
+    adapters: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.tokenizer = byte_tokenizer()
@@ -33,15 +34,18 @@ class ScriptedBackend:
     async def stop(self) -> None:
         return None
 
+    def version_of(self, adapter: str | None) -> int:
+        return self.policy_version
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_token: TokenCallback | None = None) -> Generation:
+                       on_token: TokenCallback | None = None, adapter: str | None = None) -> Generation:
         ids = [*self.tokenizer.encode(REPLY, add_special_tokens=False), self.tokenizer.eos_token_id]
         for t in ids:
             if on_token is not None:
                 on_token(0, t, -0.5)
         return Generation(prompt_ids, [Completion(ids, [-0.5] * len(ids), "stop", REPLY)], self.policy_version)
 
-    async def load_weights(self, path: Path, kind: str, version: int) -> None:
+    async def load_weights(self, path: Path, kind: str, version: int, adapter: str | None = None) -> None:
         raise NotImplementedError
 
 
