@@ -38,3 +38,22 @@ def test_vllm_backend_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(BoltstreamError, match=r"boltstream\[vllm\]"):
         VllmBackend.create(_cfg(["--backend", "vllm", "--model", "tiny"]))
+
+
+def test_adapters_from_flags_or_env() -> None:
+    cfg = _cfg(["--model", "tiny", "--adapters", "writer=sql-writer,checker", "--adapter-agents", "checker=^chk"])
+    assert [(a.name, a.checkpoint_model, a.agents.pattern) for a in cfg.adapter_specs] == [
+        ("writer", "sql-writer", "^writer$"), ("checker", "checker", "^chk")]
+    env = _cfg(["--model", "tiny"], env={"BOLTSTREAM_SERVE_ADAPTERS": "a,b"})
+    assert [a.name for a in env.adapter_specs] == ["a", "b"] and _cfg([]).adapter_specs == ()
+
+
+@pytest.mark.parametrize(("argv", "env", "names"), [
+    (["--adapters", "a", "--backend", "vllm"], {}, "transformers backend only"),
+    (["--adapters", "a", "--checkpoint-model", "m"], {}, "each adapter names its checkpoint model"),
+    (["--adapter-agents", "a=x"], {}, "needs --adapters"),
+    ([], {"BOLTSTREAM_SERVE_ADAPTERS": "a,a"}, "named twice"),
+])
+def test_bad_adapter_configs_are_refused(argv: list[str], env: dict[str, str], names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        _cfg(argv, env)
