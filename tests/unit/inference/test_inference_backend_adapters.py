@@ -66,7 +66,8 @@ async def test_reloading_one_adapter_leaves_the_other_bitwise_unchanged(tmp_path
         for version, seed, rank in ((2, 3, 4), (3, 4, 8)):  # a same-shape copy, then a new-shape rebuild
             # a checker request decodes while the writer's new weights are loaded next to it
             started = asyncio.Event()
-            running = asyncio.create_task(backend.generate(PROMPT, GREEDY, lambda *a: started.set(), "checker"))
+            running = asyncio.create_task(backend.generate(PROMPT, GREEDY, lambda *a, e=started: e.set(),
+                                                           "checker"))
             await started.wait()
             await backend.load_weights(_adapter(0, seed, tmp_path / f"w{version}", r=rank), "lora", version,
                                        adapter="writer")
