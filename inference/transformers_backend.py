@@ -19,7 +19,7 @@ policy, so no row is ever decoded with another request's adapter: it starts
 with the oldest pending request's adapter, takes that adapter's pending
 requests, and stops taking joiners as soon as the oldest waiting request wants
 another adapter (which then gets the next batch). The price, measured by
-``benchmarks/bench_serving.py --adapters 2``: interleaved traffic for two
+``benchmarks/bench_serving_adapters.py``: interleaved traffic for two
 adapters decodes in smaller batches than the same traffic for one.
 """
 
