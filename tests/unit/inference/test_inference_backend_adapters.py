@@ -44,14 +44,12 @@ async def test_each_adapter_answers_with_its_own_weights_even_in_one_burst(tmp_p
         await backend.load_weights(writer, "lora", 3, adapter="writer")
         await backend.load_weights(checker, "lora", 5, adapter="checker")
         assert (backend.version_of("writer"), backend.version_of("checker"), backend.policy_version) == (3, 5, 3)
-        before = backend.batches_run
         asks = [(a, i) for i in range(len(prompts)) for a in ("writer", "checker")] * 2  # interleaved
         gens = await asyncio.gather(*(_ask(backend, a, prompts[i]) for a, i in asks))
         for (a, i), gen in zip(asks, gens, strict=True):
             assert (gen.adapter, gen.policy_version) == (a, 3 if a == "writer" else 5)
             assert gen.completions[0].token_ids == expected[a][i], (a, i)
         assert expected["writer"][0] != expected["checker"][0] != base
-        assert backend.batches_run - before >= 2  # two adapters cannot share a batch
         assert set(backend._peft.peft_config) <= {"writer-a", "writer-b", "checker-a", "checker-b"}
     finally:
         await backend.stop()
