@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from boltstream.schemas.packed import pack
 from boltstream.schemas.records import RECORD_HEADROOM, span_key
 
 from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, cap_attributes, fit
@@ -129,6 +130,40 @@ def _field_writer(typ: Any) -> Callable[[Any, Callable[[bytes], Any]], None]:
     raise ValueError(f"no fast writer for llm field type {typ!r}")
 
 
+def _llm_writers(llm_schema: dict[str, Any]) -> list[tuple[str, Callable[[Any, Callable[[bytes], Any]], None], Any]]:
+    """(record key, writer, default) per field of the llm block, in schema order.
+
+    Packed token payloads (Span v2, schemas/packed.py): the ``bytes`` field ``prompt_token_ids_i32``
+    is written from the record's ``prompt_token_ids`` (a list, an array or packed bytes), and the
+    legacy array field of that name is written empty, as ``Codec.encode`` does.
+    """
+    names = {f["name"] for f in llm_schema["fields"]}
+    out = []
+    for f in llm_schema["fields"]:
+        name, typ = f["name"], f["type"]
+        logical, _, kind = name.rpartition("_")
+        if typ == "bytes" and logical in names and kind in ("i32", "f32"):
+            out.append((logical, _packed_writer(kind, logical), ()))
+        elif any(f"{name}_{k}" in names for k in ("i32", "f32")):
+            out.append((name, _EMPTY_ARRAY, None))
+        else:
+            out.append((name, _field_writer(typ), f.get("default")))
+    return out
+
+
+def _EMPTY_ARRAY(v: Any, w: Callable[[bytes], Any]) -> None:
+    w(b"\x00")
+
+
+def _packed_writer(kind: str, field: str) -> Callable[[Any, Callable[[bytes], Any]], None]:
+    def write(v: Any, w: Callable[[bytes], Any]) -> None:
+        data = b"" if v is None else pack(v, kind, field)
+        w(_long(len(data)))
+        w(data)
+
+    return write
+
+
 def _str(s: str, w: Callable[[bytes], Any]) -> None:
     b = s.encode("utf-8")
     n = len(b)
@@ -159,7 +194,7 @@ class FastSpanEncoder:
         self._null, self._bool, self._long, self._double, self._string = (
             b[ix["null"]], b[ix["boolean"]], b[ix["long"]], b[ix["double"]], b[ix["string"]])
         self._arrays = {k: b[ix[v]] for k, v in _ARRAY_KEYS.items()}
-        self._llm_fields = [(f["name"], _field_writer(f["type"]), f.get("default")) for f in llm_schema["fields"]]
+        self._llm_fields = _llm_writers(llm_schema)
         # Caches of what repeats across spans, each bounded (cleared when full): key bytes, key bytes
         # followed by the string branch (most values are strings), strings, status, resource maps
         # and the record's tail (resource + scope + promoted ids: one per rollout).
