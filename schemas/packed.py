@@ -61,6 +61,13 @@ def wire_name(field: str, kind: str) -> str:
     return f"{field}_{kind}"
 
 
+def wire_fields(names: Iterable[str]) -> set[str]:
+    """The packed ``bytes`` fields among a record's field names (``x_i32`` next to an ``x``): what a
+    consumer of the decoded dicts (the export's columns) never sees, the codec puts them under ``x``."""
+    names = set(names)
+    return {n for n in names if n.rpartition("_")[2] in _KINDS and n.rpartition("_")[0] in names}
+
+
 def pack(value: Any, kind: str, field: str = "value") -> bytes:
     """Little-endian bytes of ``value``: a list/tuple/iterable of numbers, an ``array.array``, a numpy
     array or any buffer of the kind's item type (used as is), or ``bytes`` already packed.

@@ -28,6 +28,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from boltstream.schemas.packed import wire_fields
+
 Convert = Callable[[Any], Any]
 
 PRIMITIVES: dict[str, pa.DataType] = {
@@ -110,11 +112,14 @@ def column(schema: Any, names: Names | None = None, namespace: str = "") -> Colu
         return Column(PRIMITIVES[kind])
     if kind == "record":
         inner_ns = names.add(schema, namespace)
-        fields = [(f["name"], column(f["type"], names, inner_ns)) for f in schema["fields"]]
+        # Packed token payloads (``prompt_token_ids_i32``) come decoded under their logical names.
+        wire = wire_fields(f["name"] for f in schema["fields"])
+        fields = [(f["name"], column(f["type"], names, inner_ns)) for f in schema["fields"] if f["name"] not in wire]
         return _struct(fields)
     if kind == "array":
         item = column(schema["items"], names, namespace)
-        conv = item.convert
+        # A decoded loss mask is an array of 0/1 bytes: Arrow takes only True/False for booleans.
+        conv = bool if item.type == pa.bool_() else item.convert
         return Column(pa.list_(item.type), None if conv is None else (lambda v: None if v is None else
                                                                      [conv(x) for x in v]))
     if kind == "map":
@@ -158,10 +163,12 @@ def _struct(fields: list[tuple[str, Column]]) -> Column:
 
 
 def record_fields(schema: Mapping[str, Any], names: Names | None = None) -> list[tuple[str, Any, Column]]:
-    """(name, Avro type, Column) of each top-level field of a record schema, in schema order."""
+    """(name, Avro type, Column) of each top-level field of a record schema, in schema order (without
+    the packed wire fields: the decoded record holds those under their logical names)."""
     names = names if names is not None else Names()
     ns = names.add(schema, "")
-    return [(f["name"], f["type"], column(f["type"], names, ns)) for f in schema["fields"]]
+    wire = wire_fields(f["name"] for f in schema["fields"])
+    return [(f["name"], f["type"], column(f["type"], names, ns)) for f in schema["fields"] if f["name"] not in wire]
 
 
 def nested_record(avro_type: Any, names: Names) -> Mapping[str, Any] | None:
