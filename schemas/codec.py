@@ -88,14 +88,20 @@ class Codec:
     Build one per process and share it (thread-safe; caches only grow). With ``registry=None`` it
     writes single-object encoding; with a registry it writes the Confluent wire format, registering
     subject ``<topic>-value`` on first use. ``schema_dirs`` layers extra ``<snake_name>/v<N>.avsc``
-    folders over the packaged schemas (tests, or reading data from a newer release).
+    folders over the packaged schemas (tests, or reading data from a newer release). ``catalog``
+    replaces the schemas altogether: a ``SchemaCatalog(dirs, include_package=False)`` holding only older
+    versions makes a codec that writes what an older release wrote (benchmarks, compatibility tests).
     """
 
     def __init__(
-        self, registry: SchemaRegistry | None = None, *, schema_dirs: Iterable[SchemaDir] = ()
+        self,
+        registry: SchemaRegistry | None = None,
+        *,
+        schema_dirs: Iterable[SchemaDir] = (),
+        catalog: SchemaCatalog | None = None,
     ) -> None:
         self.registry = registry
-        self.catalog: SchemaCatalog = catalog_for(schema_dirs)
+        self.catalog: SchemaCatalog = catalog if catalog is not None else catalog_for(schema_dirs)
         self._names: dict[str, str] = {}
         self._writers: dict[str, _Writer] = {}
         self._by_fingerprint: dict[bytes, _Reader] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,10 @@ def plain(value: Any) -> Any:
     return value
 
 
+def _tolist(value: Any) -> Any:
+    return value.tolist() if isinstance(value, array) else value
+
+
 def to_json(value: Any) -> str | None:
     """The JSON text of a map or multi-type union value (keys sorted, so equal values give equal text)."""
     return None if value is None else json.dumps(plain(value), sort_keys=True, ensure_ascii=False)
@@ -118,10 +123,12 @@ def column(schema: Any, names: Names | None = None, namespace: str = "") -> Colu
         return _struct(fields)
     if kind == "array":
         item = column(schema["items"], names, namespace)
-        # A decoded loss mask is an array of 0/1 bytes: Arrow takes only True/False for booleans.
+        # Decoded token payloads are array.array: lists for JSON lines, and a loss mask's 0/1 bytes as
+        # True/False (Arrow takes nothing else for booleans).
         conv = bool if item.type == pa.bool_() else item.convert
-        return Column(pa.list_(item.type), None if conv is None else (lambda v: None if v is None else
-                                                                     [conv(x) for x in v]))
+        if conv is None:
+            return Column(pa.list_(item.type), _tolist)
+        return Column(pa.list_(item.type), lambda v: None if v is None else [conv(x) for x in v])
     if kind == "map":
         column(schema["values"], names, namespace)  # registers named types defined inside
         return Column(pa.string(), to_json)
