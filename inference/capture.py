@@ -99,7 +99,7 @@ def build_llm_span(
     resource: Mapping[str, Any] | None = None,
     span_id: str | None = None,
 ) -> dict[str, Any]:
-    """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion.
+    """One ``Span`` record (schemas/span/v2.avsc; token ids packed on the wire) for one sampled completion.
 
     ``span_id``: the one the completion id already names (the first choice's); random otherwise.
     """

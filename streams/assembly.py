@@ -1,4 +1,4 @@
-"""Spans of one rollout attempt -> a Trajectory (``schemas/trajectory/v2.avsc``).
+"""Spans of one rollout attempt -> a Trajectory (``schemas/trajectory/v3.avsc``).
 
 Why this is its own pure step: spans arrive out of order, repeated (Kafka is
 at-least-once), from several processes (agent, inference worker) whose parent
