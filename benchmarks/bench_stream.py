@@ -26,6 +26,9 @@ with the mean encoded bytes per span.
 2. Throughput: one ``boltstream stream worker`` (a subprocess, group size 4),
    warmed up with one task, then ``--tasks`` x 4 rollouts produced as fast as
    possible; spans/s = spans / (first span produced -> last sample readable).
+   Also the worker process' CPU seconds meanwhile, and tokens per worker CPU
+   second: producing 10 kB spans into the broker on the same 2 cores can be
+   slower than the worker, and then the wall-clock rate measures the producer.
    Measured with the fast consumer (default: each fetch handed to the stages
    as one batch) and with faust's stock per-record agents (``--no-fast-consumer``).
 3. Latency: a worker with group size 1 (no waiting for the rest of a group)
@@ -88,6 +91,15 @@ GROUP = 4
 def llm_tokens(rollouts: list[Rollout]) -> int:
     """Token ids the rollouts' LLM spans carry (prompt + response): what tokens/s counts."""
     return sum(len(p) + len(r) for ro in rollouts for p, r in ro.calls)
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far; NaN where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def rates(spans: int, tokens: int, seconds: float) -> dict[str, float]:
@@ -198,16 +210,21 @@ async def throughput(settings: Settings, tmp: Path, tasks: int, fast: bool, shap
         rollouts = make_workload(tasks, GROUP, seed=3, run=settings.namespace, shape=shape)
         records = encoded_spans(codec, settings.topic("spans"), rollouts)
         tokens = llm_tokens(rollouts)
+        cpu = proc_cpu(proc.pid)
         started = time.perf_counter()
         await produce(settings, records)
         produced = time.perf_counter() - started
         await watch.wait_rollouts({r.rollout_id for r in rollouts}, timeout=600)
         elapsed = time.perf_counter() - started
+        cpu = proc_cpu(proc.pid) - cpu
     finally:
         await watch.stop()
         stop(proc)
+    # The worker's own CPU seconds meanwhile: when producing the input is the bottleneck (large spans on
+    # a shared 2-core box), tokens per worker CPU second is what one worker with a core of its own does.
     return {"spans": len(records), "rollouts": len(rollouts), "tokens": tokens, "produce_s": round(produced, 3),
-            "elapsed_s": round(elapsed, 3), **rates(len(records), tokens, elapsed)}
+            "elapsed_s": round(elapsed, 3), **rates(len(records), tokens, elapsed),
+            "worker_cpu_s": round(cpu, 2), "tokens_per_worker_cpu_s": round(tokens / cpu)}
 
 
 async def latency(settings: Settings, tmp: Path, seconds: float, rate: float, shape: Shape | None) -> dict[str, Any]:
