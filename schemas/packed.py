@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import SchemaError
@@ -162,69 +162,62 @@ def _from_native(data: bytes, code: str) -> array:
 # ------------------------------------------------------------------------------------ records
 
 
-def _site_items(value: Mapping[str, Any], where: tuple[str, str] | None) -> list[Mapping[str, Any]]:
-    if where is None:
-        return [value]
-    name, shape = where
-    inner = value.get(name)
-    if inner is None:
-        return []
-    return [inner] if shape == "optional" else list(inner)
+_Fields = tuple[tuple[str, str, str], ...]  # (logical name, kind, wire name)
+_SPECS: dict[str, tuple[tuple[str, str] | None, _Fields]] = {
+    record: (where, tuple((f, k, wire_name(f, k)) for f, k in fields))
+    for record, (where, fields) in PACKED_FIELDS.items()
+}
 
 
-def _packer(fields: tuple[tuple[str, str], ...]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
-    def pack_one(item: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(item, Mapping):
-            return item  # type: ignore[return-value]  # fastavro reports the wrong type
-        out = dict(item)  # never mutate the caller's dict
-        for field, kind in fields:
-            wire = wire_name(field, kind)
-            # Missing means empty (the fields' default); the legacy array field is empty in
-            # everything written today.
-            out[wire] = pack(out.pop(field), kind, field) if field in out else out.get(wire, b"")
-            out[field] = []
-        return out
-
-    return pack_one
+def _pack_item(item: Mapping[str, Any], fields: _Fields) -> dict[str, Any]:
+    if not isinstance(item, Mapping):
+        return item  # type: ignore[return-value]  # fastavro reports the wrong type
+    out = dict(item)  # never mutate the caller's dict
+    for field, kind, wire in fields:
+        # Missing means empty (the fields' default); the legacy array field is empty in everything
+        # written today.
+        out[wire] = pack(out.pop(field), kind, field) if field in out else out.get(wire, b"")
+        out[field] = []
+    return out
 
 
-def _unpacker(fields: tuple[tuple[str, str], ...]) -> Callable[[dict[str, Any]], None]:
-    def unpack_one(item: dict[str, Any]) -> None:
-        for field, kind in fields:
-            data = item.pop(wire_name(field, kind), b"")
-            legacy = item.get(field) or ()
-            # Written by today's code: the packed bytes. Written before them: the array field.
-            item[field] = unpack(data, kind, field) if data or not legacy else as_array(legacy, kind)
-
-    return unpack_one
+def _unpack_item(item: dict[str, Any], fields: _Fields) -> None:
+    for field, kind, wire in fields:
+        data = item.pop(wire, b"")
+        # Written by today's code: the packed bytes. Written before them: the array field.
+        item[field] = unpack(data, kind, field) if data else as_array(item.get(field) or (), kind)
 
 
 def pack_record(record: str, value: Mapping[str, Any]) -> Mapping[str, Any]:
     """``value`` with its token payloads packed (a new dict; ``value`` is untouched); ``value`` itself
     for a record type without packed fields."""
-    spec = PACKED_FIELDS.get(record)
+    spec = _SPECS.get(record)
     if spec is None or not isinstance(value, Mapping):
         return value
     where, fields = spec
-    pack_one = _packer(fields)
     if where is None:
-        return pack_one(value)
+        return _pack_item(value, fields)
     name, shape = where
     inner = value.get(name)
     if inner is None:
         return value
     out = dict(value)
-    out[name] = pack_one(inner) if shape == "optional" else [pack_one(item) for item in inner]
+    out[name] = _pack_item(inner, fields) if shape == "optional" else [_pack_item(i, fields) for i in inner]
     return out
 
 
 def unpack_record(record: str, value: dict[str, Any]) -> dict[str, Any]:
     """Replace a decoded record's packed fields by arrays under their logical names, in place."""
-    spec = PACKED_FIELDS.get(record)
+    spec = _SPECS.get(record)
     if spec is None:
         return value
     where, fields = spec
-    unpack_one = _unpacker(fields)
-    for item in _site_items(value, where):
-        unpack_one(item)  # type: ignore[arg-type]
+    if where is None:
+        _unpack_item(value, fields)
+        return value
+    inner = value.get(where[0])
+    if inner is None:
+        return value
+    for item in [inner] if where[1] == "optional" else inner:
+        _unpack_item(item, fields)
     return value
