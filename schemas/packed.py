@@ -36,6 +36,8 @@ _FORMATS: dict[str, frozenset[str]] = {
 }
 assert all(array(code).itemsize == size for code, _, size in _KINDS.values()), "unsupported platform"
 
+_RAW, _SEQUENCES = (bytes, bytearray), (list, tuple)  # tuples: `bytes | bytearray` builds a new union per call
+
 TOKEN_FIELDS: tuple[tuple[str, str], ...] = (
     ("prompt_token_ids", I32),
     ("response_token_ids", I32),
@@ -76,14 +78,14 @@ def pack(value: Any, kind: str, field: str = "value") -> bytes:
     buffer whose length is not a whole number of items, a float where an int belongs).
     """
     code, fmt, size = _KINDS[kind]
-    if isinstance(value, bytes | bytearray):
+    if isinstance(value, _RAW):
         if len(value) % size:
             raise SchemaError(f"field {field}: {len(value)} bytes is not a whole number of {kind} items")
         return bytes(value)
     if isinstance(value, array):
         if value.typecode == code:
             return _le(value).tobytes()
-    elif isinstance(value, list | tuple):
+    elif isinstance(value, _SEQUENCES):
         try:
             return struct.pack(f"<{len(value)}{fmt}", *value)
         except (struct.error, OverflowError) as exc:
