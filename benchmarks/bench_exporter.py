@@ -556,8 +556,8 @@ def main() -> int:
     results["params"] = {"spans": args.spans, "repeats": args.repeats, "batch": BATCH, "bsp_end_to_end": BSP_DEFAULTS,
                          "mix": SHAPE.describe()}
     RESULTS.mkdir(exist_ok=True)
-    name = "exporter.json" if args.shape == "small" else f"exporter_{args.shape}.json"
-    (RESULTS / name).write_text(json.dumps(results, indent=2))
+    out_name = "exporter.json" if args.shape == "small" else f"exporter_{args.shape}.json"
+    (RESULTS / out_name).write_text(json.dumps(results, indent=2))
     legacy_dir.cleanup()
     print(f"shape: {SHAPE.describe()}")
     print_capture(results["capture"])
@@ -588,7 +588,7 @@ def main() -> int:
           f"wall {st['wall_us_per_exported_span']:.1f} per exported span")
     print_spool(results["spool"])
     print(f"load average {load_at_start[0]:.1f} at start, {results['machine']['loadavg_at_end'][0]:.1f} at end; "
-          f"goals: {results['goals']}  -> {RESULTS / name}")
+          f"goals: {results['goals']}  -> {RESULTS / out_name}")
     return 0
 
 
