@@ -47,7 +47,7 @@ from .loader import (
     parse_schema_text,
     snake_case,
 )
-from .packed import PACKED_FIELDS, pack_record, unpack_record, wire_name
+from .packed import has_packed_fields, pack_record, unpack_record
 from .registry import HttpSchemaRegistry, SchemaRegistry
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Codec:
                 latest,
                 SINGLE_OBJECT_MAGIC + latest.fingerprint,
                 _compile_union_tagger(latest.parsed),
-                _has_packed_fields(record, latest),
+                has_packed_fields(record, latest.parsed),
             )
             for alias in (record, latest.fullname, snake_case(record)):
                 self._names[alias] = record
@@ -312,27 +312,6 @@ class Codec:
         logger.debug("schema id %d -> %s", schema_id, reader.label)
         self._by_id[schema_id] = reader
         return reader
-
-
-def _has_packed_fields(record: str, version: SchemaVersion) -> bool:
-    """Whether ``version`` has every packed field of ``record`` (at the place PACKED_FIELDS says); an
-    older catalog (a codec layered over other schema dirs in tests) simply does not pack."""
-    spec = PACKED_FIELDS.get(record)
-    if spec is None:
-        return False
-    where, fields = spec
-    schema: Any = version.parsed
-    if where is not None:
-        field_type = next((f["type"] for f in schema["fields"] if f["name"] == where[0]), None)
-        if where[1] == "optional" and isinstance(field_type, list):
-            field_type = next((b for b in field_type if isinstance(b, dict)), None)
-        elif isinstance(field_type, dict) and field_type.get("type") == "array":
-            field_type = field_type["items"]
-        schema = field_type
-    if not isinstance(schema, dict) or schema.get("type") != "record":
-        return False
-    names = {f["name"] for f in schema["fields"]}
-    return all(wire_name(f, k) in names for f, k in fields)
 
 
 def _known(codec: Codec) -> str:

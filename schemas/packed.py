@@ -164,6 +164,26 @@ def _from_native(data: bytes, code: str) -> array:
 # ------------------------------------------------------------------------------------ records
 
 
+def has_packed_fields(record: str, schema: Any) -> bool:
+    """Whether a parsed ``schema`` of ``record`` has every packed field (where PACKED_FIELDS says):
+    a codec over older schema versions only (benchmarks, compatibility tests) does not pack."""
+    spec = PACKED_FIELDS.get(record)
+    if spec is None:
+        return False
+    where, fields = spec
+    if where is not None:
+        field_type = next((f["type"] for f in schema["fields"] if f["name"] == where[0]), None)
+        if where[1] == "optional" and isinstance(field_type, list):
+            field_type = next((b for b in field_type if isinstance(b, dict)), None)
+        elif isinstance(field_type, dict) and field_type.get("type") == "array":
+            field_type = field_type["items"]
+        schema = field_type
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        return False
+    names = {f["name"] for f in schema["fields"]}
+    return all(wire_name(f, k) in names for f, k in fields)
+
+
 _Fields = tuple[tuple[str, str, str], ...]  # (logical name, kind, wire name)
 _SPECS: dict[str, tuple[tuple[str, str] | None, _Fields]] = {
     record: (where, tuple((f, k, wire_name(f, k)) for f, k in fields))

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from fastavro import schemaless_reader, schemaless_writer
 
-from boltstream.schemas import Codec, InMemorySchemaRegistry, SchemaError
+from boltstream.schemas import Codec, InMemorySchemaRegistry, SchemaCatalog, SchemaError
 from boltstream.schemas.loader import default_catalog
-from boltstream.schemas.packed import as_lists
+from boltstream.schemas.packed import as_lists, has_packed_fields
 from tests.golden.regenerate import TOPICS, golden_path, golden_registry
 from tests.unit.schemas.record_examples import (
     EXAMPLES,
@@ -142,3 +142,16 @@ def test_registry_accepts_the_packed_versions_under_backward_transitive() -> Non
             body.seek(0)
             assert schemaless_reader(body, older.parsed, latest.parsed)
 
+
+
+def test_a_codec_over_older_versions_only_writes_arrays_that_today_s_codec_reads(tmp_path: Path) -> None:
+    """``Codec(catalog=...)`` without the package schemas: what the previous release was (Span v1)."""
+    (tmp_path / "span").mkdir()
+    (tmp_path / "span" / "v1.avsc").write_text(json.dumps(default_catalog().get("Span", 1).raw))
+    old = Codec(catalog=SchemaCatalog([tmp_path], include_package=False))
+    assert not has_packed_fields("Span", old.catalog.latest("Span").parsed)
+    assert has_packed_fields("Span", default_catalog().latest("Span").parsed)
+    data = old.encode("Span", EXAMPLES["Span"])
+    assert data[2:10] == default_catalog().get("Span", 1).fingerprint
+    assert old.decode(data)["llm"]["prompt_token_ids"] == PROMPT_IDS  # lists, as the old release had
+    assert Codec().decode(data)["llm"]["prompt_token_ids"] == array("i", PROMPT_IDS)
