@@ -144,7 +144,7 @@ async def test_replay_with_new_settings_matches_the_reference_and_leaves_the_liv
     decode = lambda raw, expect: [as_lists(codec.decode(v, expect=expect)) for p in sorted(raw) for _, v in raw[p]]  # noqa: E731
     first = await raw_records(in_namespace(settings, first_ns), "batches")
     replayed = {s["sample_id"]: s for s in samples_of(decode(first, "TrainingBatch"))}
-    expected = reference(decode(await raw_records(settings, "spans"), "Span"), AIR_YAML)
+    expected = as_lists(reference(decode(await raw_records(settings, "spans"), "Span"), AIR_YAML))
     assert set(replayed) == set(expected) and len(replayed) == calls
     for sample_id, sample in replayed.items():
         ref = expected[sample_id]
