@@ -10,7 +10,7 @@ scope, promoted ids: the same for every span of a rollout); nanosecond
 timestamps take an arithmetic fast path. ~5 µs for a tool span, ~9 µs for an
 LLM span with messages (2 cores, Python 3.11).
 
-Safety: the layout below is the Span v1 schema. :class:`FastSpanEncoder`
+Safety: the layout below is the Span v2 schema (token ids as packed bytes). :class:`FastSpanEncoder`
 derives the union branch order from the schema the codec actually uses, and
 on construction encodes a sample record both ways; unless the bytes are
 identical it refuses to be used (:meth:`FastSpanEncoder.create` then returns
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from boltstream.schemas.packed import pack
+from boltstream.schemas.packed import pack, wire_fields
 from boltstream.schemas.records import RECORD_HEADROOM, span_key
 
 from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, cap_attributes, fit
@@ -137,21 +137,22 @@ def _llm_writers(llm_schema: dict[str, Any]) -> list[tuple[str, Callable[[Any, C
     is written from the record's ``prompt_token_ids`` (a list, an array or packed bytes), and the
     legacy array field of that name is written empty, as ``Codec.encode`` does.
     """
-    names = {f["name"] for f in llm_schema["fields"]}
+    wire = wire_fields(f["name"] for f in llm_schema["fields"])
+    legacy = {w.rpartition("_")[0] for w in wire}
     out = []
     for f in llm_schema["fields"]:
-        name, typ = f["name"], f["type"]
-        logical, _, kind = name.rpartition("_")
-        if typ == "bytes" and logical in names and kind in ("i32", "f32"):
-            out.append((logical, _packed_writer(kind, logical), ()))
-        elif any(f"{name}_{k}" in names for k in ("i32", "f32")):
-            out.append((name, _EMPTY_ARRAY, None))
+        name = f["name"]
+        if name in wire:
+            logical, _, kind = name.rpartition("_")
+            out.append((logical, _packed_writer(kind, logical), None))
+        elif name in legacy:
+            out.append((name, _empty_array, None))
         else:
-            out.append((name, _field_writer(typ), f.get("default")))
+            out.append((name, _field_writer(f["type"]), f.get("default")))
     return out
 
 
-def _EMPTY_ARRAY(v: Any, w: Callable[[bytes], Any]) -> None:
+def _empty_array(v: Any, w: Callable[[bytes], Any]) -> None:
     w(b"\x00")
 
 
