@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import random
-from array import array
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
