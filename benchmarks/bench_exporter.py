@@ -88,7 +88,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +108,7 @@ from boltstream.stack import embedded_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.legacy_encoding import legacy_codec
+from tests.integration.streams.stream_workload import Shape
 
 RESULTS = Path(__file__).parent / "results"
 BATCH = 512
@@ -123,42 +123,32 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 """
 
 
-@dataclass(frozen=True)
-class Shape:
-    """LLM calls per rollout and their token ids (``calls=None``: the small mix without token ids)."""
-
-    calls: int | None = 5
-    prompt: int = 2000
-    response: int = 200
-    shared_prefix: bool = True
-    inserted: int = 50
-
-    def describe(self) -> str:
-        if self.calls is None:
-            return "small: per rollout 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs, no token ids)"
-        share = f", shared prefixes (+{self.inserted} per turn)" if self.shared_prefix else ""
-        return (f"per rollout 1 root, {self.calls} tool, {self.calls} LLM calls of {self.prompt} prompt + "
-                f"{self.response} response token ids{share}")
-
-    def token_calls(self, seed: int = 5) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]]:
-        """(prompt, response, logprobs) per call of one rollout, made once and reused by every rollout."""
-        rng = random.Random(seed)
-        ids = lambda n: tuple(rng.randrange(49_152) for _ in range(n))  # noqa: E731
-        out, prompt = [], ids(self.prompt)
-        for _ in range(self.calls or 0):
-            response = ids(self.response)
-            out.append((prompt, response, tuple(-rng.random() for _ in response)))
-            prompt = prompt + response + ids(self.inserted) if self.shared_prefix else ids(self.prompt)
-        return out
+SMALL_MIX = "small: per rollout 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs, no token ids)"
+SHAPE: Shape | None = None  # set by main() from the command line; None: the small mix
 
 
-SMALL = Shape(calls=None)
-SHAPE = SMALL  # set by main() from the command line
+def describe(shape: Shape | None) -> str:
+    return SMALL_MIX if shape is None else f"per rollout 1 root, {shape.calls} tool and {shape.describe()}"
 
 
-def tokens_per_span(shape: Shape) -> float:
+def token_calls(shape: Shape | None, seed: int = 5) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]]:
+    """(prompt, response, logprobs) per LLM call of one rollout (tuples: what the OTel SDK keeps),
+    made once and reused by every rollout; none for the small mix."""
+    if shape is None:
+        return []
+    rng = random.Random(seed)
+    ids = lambda n: tuple(rng.randrange(49_152) for _ in range(n))  # noqa: E731
+    out, prompt = [], ids(shape.prompt)
+    for _ in range(shape.calls):
+        response = ids(shape.response)
+        out.append((prompt, response, tuple(-rng.random() for _ in response)))
+        prompt = prompt + response + ids(shape.inserted) if shape.shared_prefix else ids(shape.prompt)
+    return out
+
+
+def tokens_per_span(shape: Shape | None) -> float:
     """Token ids (prompt + response) per span of the mix: tokens/s = spans/s x this."""
-    calls = shape.token_calls()
+    calls = token_calls(shape)
     if not calls:
         return 0.0
     return sum(len(p) + len(r) for p, r, _ in calls) / (1 + 2 * len(calls))
@@ -175,8 +165,8 @@ def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = Non
     made = 0
     busy = 0.0
     r = 0
-    token_calls = SHAPE.token_calls()
-    steps = 2 * len(token_calls) if token_calls else 4
+    calls = token_calls(SHAPE)
+    steps = 2 * len(calls) if calls else 4
     while made < n:
         if pause:
             time.sleep(pause)  # the agent waiting on its LLM: the exporter thread gets the CPU meanwhile
@@ -198,8 +188,8 @@ def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = Non
                              "llm.output_messages.0.message.content": f"The answer is {r * k + 7}.",
                              "llm.token_count.prompt": 48, "llm.token_count.completion": 9,
                              "llm.token_count.total": 57}
-                    if token_calls:
-                        prompt, response, logprobs = token_calls[k // 2]
+                    if calls:
+                        prompt, response, logprobs = calls[k // 2]
                         attrs.update({"prompt_token_ids": prompt, "response_token_ids": response,
                                       "response_logprobs": logprobs})
                     name = "ChatCompletion"
@@ -319,7 +309,7 @@ def capture_cost(legacy: Any, repeats: int) -> dict[str, Any]:
     rng = random.Random(11)
     calls_4k = [([rng.randrange(49_152) for _ in range(4000)], [rng.randrange(49_152) for _ in range(500)],
                  [-rng.random() for _ in range(500)]) for _ in range(20)]
-    shape_calls = [(list(p), list(r), list(lp)) for p, r, lp in SHAPE.token_calls()]
+    shape_calls = [(list(p), list(r), list(lp)) for p, r, lp in token_calls(SHAPE)]
     out: dict[str, Any] = {}
     for label, calls in (("call_4000_500", calls_4k), ("shape_calls", shape_calls)):
         if not calls:
@@ -427,7 +417,7 @@ def main() -> int:
         capture = capture_cost(legacy, args.repeats)
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "exporter_capture.json").write_text(json.dumps(
-            {"capture": capture, "shape": SHAPE.describe(), "loadavg": list(os.getloadavg())}, indent=2))
+            {"capture": capture, "shape": describe(SHAPE), "loadavg": list(os.getloadavg())}, indent=2))
         print_capture(capture)
         return 0
     if args.only == "spool":
@@ -443,7 +433,7 @@ def main() -> int:
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.DEVNULL)
     devnull = open(os.devnull, "w")
-    results: dict[str, Any] = {"shape": SHAPE.describe(), "capture": capture_cost(legacy, args.repeats)}
+    results: dict[str, Any] = {"shape": describe(SHAPE), "capture": capture_cost(legacy, args.repeats)}
     try:
         with tempfile.TemporaryDirectory() as tmp, embedded_stack(tmp, partitions=4) as settings:
             otlp_url = f"http://127.0.0.1:{port}/v1/traces"
@@ -560,12 +550,12 @@ def main() -> int:
     results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
     results["params"] = {"spans": args.spans, "repeats": args.repeats, "batch": BATCH, "bsp_end_to_end": BSP_DEFAULTS,
-                         "mix": SHAPE.describe()}
+                         "mix": describe(SHAPE)}
     RESULTS.mkdir(exist_ok=True)
     out_name = "exporter.json" if args.shape == "small" else f"exporter_{args.shape}.json"
     (RESULTS / out_name).write_text(json.dumps(results, indent=2))
     legacy_dir.cleanup()
-    print(f"shape: {SHAPE.describe()}")
+    print(f"shape: {describe(SHAPE)}")
     print_capture(results["capture"])
 
     print(f"{'exporter':<12}{'span.end() µs':>14}{'added':>8}{'start+end µs':>14}{'added':>8}"
