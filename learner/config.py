@@ -57,6 +57,8 @@ class StepConfig:
     pad_token_id: int = opt(0, cli=False)
     compute_entropy: bool = opt(True, "compute the policy entropy metric")
     fused_head: bool = opt(True, "compute log-probs only at trained positions through the LM head")
+    skip_zero_advantage: bool = opt(True, "no forward/backward for samples whose gradient is exactly 0 "
+                                          "(advantage 0 and no KL term); the update is unchanged")
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGG_MODES:

@@ -4,12 +4,17 @@ A dataset is exported batches Parquet (``boltstream export batches``: a file, a
 folder of them, a glob) or a range of a batches topic (``topic:<full name>``, e.g.
 a replay's ``<replay-ns>batches``; ``--offline-from`` / ``--offline-to``, resolved
 once at the run's first start and kept in its checkpoints, so "now" does not move
-on a restart). Each epoch reads it in one fixed order (files by name, their records
-in file order; a topic's partitions one after the other, each in offset order) and
-feeds the online learner's :class:`~.consumer.GroupAssembler`: groups are rebuilt
-from batch ids and part numbers exactly as online (an export's rows are regrouped
-into their TrainingBatch records first, :func:`boltstream.export.rows.batch_records`),
-K of them per step, trained by the same step code.
+on a restart). Each epoch reads it in one fixed order: files by name, their records
+in file order (an export is written partition by partition); a topic's records in log
+time order (timestamp, partition, offset), as ``replay`` reads spans. That order matters
+for a recording of a live run: its first groups were sampled by the base policy, its
+last by a policy trained for many steps, and a fresh adapter should meet them in that
+order (read partition after partition, every version was in the first step: approx.
+KL 2.99 at step 1). The ordered records feed the online learner's
+:class:`~.consumer.GroupAssembler`: groups are rebuilt from batch ids and part numbers
+exactly as online (an export's rows are regrouped into their TrainingBatch records first,
+:func:`boltstream.export.rows.batch_records`), K of them per step, trained by the same
+step code.
 
 What differs from online, on purpose:
 
@@ -42,7 +47,9 @@ import pyarrow.parquet as pq
 from boltstream.config import Settings
 from boltstream.export.rows import BATCH_REQUIRED, batch_column, batch_records, record_field_names
 from boltstream.export.writers import METADATA_KEY
-from boltstream.log_range import LogRange, LogRangeError, PartitionRange, parse_position, read_range, resolve
+from boltstream.log_range import LogRange, LogRangeError, PartitionRange, parse_position, read_merged, resolve
+from boltstream.replay_marker import replay_status
+from boltstream.schemas import Codec
 
 from .config import LearnerConfig
 from .consumer import GroupAssembler, OffsetTracker, StepInput
@@ -102,6 +109,10 @@ async def open_dataset(cfg: LearnerConfig, stored: dict[str, Any] | None) -> Dat
         if resumed is not None:  # the range as first resolved: "now" must not move on a restart
             return Dataset(source, log_range=_range_from(resumed["dataset"]["topic"]))
         topic = source[len(TOPIC_PREFIX):]
+        done = await replay_status(cfg.settings, topic, Codec.from_registry_url(cfg.settings.schema_registry_url))
+        if done is not None:
+            logger.info("%s: written by a finished replay of %s (%s to %s): %s", topic, done["source_topic"],
+                        done["range_from"], done["range_to"], done["counts"])
         log_range = await resolve(cfg.settings, topic, parse_position(cfg.offline_from, "--offline-from"),
                                   parse_position(cfg.offline_to, "--offline-to"))
         return Dataset(source, log_range=log_range)
@@ -232,13 +243,11 @@ class OfflineData:
                 if chunk:
                     yield chunk
             return
-        for part in log_range.partitions:  # one partition after the other: one order on every run
-            start = max(part.start, positions.get(part.partition, part.start))
-            if start >= part.end:
-                continue
-            one = dataclasses.replace(log_range, partitions=(PartitionRange(part.partition, start, part.end),))
-            async for fetched in read_range(self.cfg.settings, one, max_records=RECORDS_PER_POLL):
-                yield [self._decode(record) for record in fetched]
+        rest = dataclasses.replace(log_range, partitions=tuple(
+            PartitionRange(p.partition, max(p.start, positions.get(p.partition, p.start)), p.end)
+            for p in log_range.partitions))
+        async for merged in read_merged(self.cfg.settings, rest, max_records=RECORDS_PER_POLL):
+            yield [self._decode(record) for record in merged]
 
     def _decode(self, record: Any) -> Item:
         topic = self.dataset.log_range.topic if self.dataset.log_range else ""

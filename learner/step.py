@@ -59,6 +59,7 @@ class StepMetrics:
     seconds: float
     tokens_per_s: float
     skipped: bool = False
+    zero_advantage_skipped: int = 0  # samples not run: their gradient is exactly 0 (see contributes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,14 +158,21 @@ def accumulate_gradients(
     Each micro-batch loss is divided by the *step's* normaliser, so the gradients summed
     here equal those of one batch holding all samples. Does not zero gradients.
     ``backward_fn`` replaces ``loss.backward()`` (e.g. a DeepSpeed engine's ``backward``;
-    mind that engine's own gradient-accumulation scaling).
+    mind that engine's own gradient-accumulation scaling). With ``cfg.skip_zero_advantage``
+    the samples that cannot move the weights (:func:`contributes`) are not run; never with a
+    ``backward_fn``, whose ranks must all run their collectives.
     """
     if not samples:
         raise ValueError("a step needs at least one sample")
     t0 = time.perf_counter()
     device = _device(model)
     batches = micro_batches(samples, cfg.max_tokens_per_micro_batch, cfg.pad_token_id)
-    normaliser = step_normaliser(batches, cfg.loss_agg)
+    normaliser = step_normaliser(batches, cfg.loss_agg)  # over every sample: the update's scale is theirs
+    trained = samples
+    if cfg.skip_zero_advantage and backward and backward_fn is None:
+        trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
+        if len(trained) < len(samples):
+            batches = micro_batches(trained, cfg.max_tokens_per_micro_batch, cfg.pad_token_id)
     total_loss = 0.0
     metrics: LossMetrics | None = None
     entropy_sum = 0.0
@@ -220,7 +228,18 @@ def accumulate_gradients(
         micro_batches=len(batches),
         seconds=seconds,
         tokens_per_s=input_tokens / seconds if seconds > 0 else 0.0,
+        zero_advantage_skipped=len(samples) - len(trained),
     )
+
+
+def contributes(sample: Sample, cfg: StepConfig) -> bool:
+    """Whether ``sample`` can move the weights: a zero advantage zeroes every term of the PPO loss
+    (``ratio * A``, its clipped twin, dual clip, IS weight), so without a KL term its gradient is
+    exactly 0 and its forward and backward are pure cost (in the calculator demo 60 % of the samples:
+    the groups whose attempts all scored alike). The step's normaliser still counts it, so skipping
+    it leaves the update unchanged; only the metrics (clip fraction, KL, entropy) then describe the
+    samples that were run."""
+    return float(sample["advantage"]) != 0.0 or cfg.kl_coef != 0.0
 
 
 def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:

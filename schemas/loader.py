@@ -36,6 +36,7 @@ RECORDS: tuple[str, ...] = (
     "TrainingBatch",
     "CheckpointEvent",
     "DeadLetter",
+    "ReplayDone",
 )
 
 _VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.avsc$")

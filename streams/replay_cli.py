@@ -13,10 +13,13 @@ Every stage setting of ``boltstream stream worker`` is a flag here too (and a
 interval, consumer path, log period, profile) are not offered.
 
 The output namespace must differ from the live one. One that already holds data is refused
-unless ``--overwrite``, which deletes and recreates its three topics (verified empty, with a
+unless ``--overwrite``, which deletes and recreates its four topics (verified empty, with a
 bounded retry: boltstream.topics.recreate_topics); a namespace with a non-empty ``spans`` topic
 is a live pipeline's and is always refused. A replay killed half-way is simply run again with
 ``--overwrite``: nothing of it is kept but its partial output, which the re-run replaces.
+A finished replay writes one ``ReplayDone`` record to ``<namespace>replay`` last, once every
+other write is acknowledged (boltstream.replay_marker): ``learn --offline`` refuses a replay
+namespace without it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, ClassVar
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
+from boltstream import replay_marker
 from boltstream.config import Settings, flags_from_dataclass, knobs, load, opt
 from boltstream.errors import ConfigError
 from boltstream.kafka import log_end_offsets, producer_kwargs, wait_for_broker
@@ -46,7 +50,7 @@ from .replay import MAX_STEP_RECORDS, OutputProducer, ReplayEngine, ReplayError,
 
 log = logging.getLogger(__name__)
 
-OUTPUTS = ("trajectories", "batches", "dlq")
+OUTPUTS = ("trajectories", "batches", "dlq", replay_marker.TOPIC)  # the marker topic: written last, see below
 # StreamConfig settings that only a faust worker uses (and the live namespace, which has its own flag).
 NOT_REPLAYED = ("app_id", "store", "commit_interval_s", "fast_consumer", "log_every_s", "profile", "namespace")
 REPLAY_SETTINGS = tuple(k.name for k in knobs(StreamConfig) if k.name not in NOT_REPLAYED)
@@ -147,9 +151,15 @@ async def run(config: ReplayConfig, timeout: float = TIMEOUT_S) -> dict[str, Any
         await engine.finish()
         await output.settle(timeout)
         elapsed = time.perf_counter() - started
+        written = [TopicPartition(out.topic(t), p) for t in OUTPUTS if t != replay_marker.TOPIC
+                   for p in sorted(await producer.partitions_for(out.topic(t)))]
     finally:
         await producer.stop()
     counters = engine.counters()
+    ends = await log_end_offsets(out, written)
+    done = replay_marker.done_record(out.namespace, log_range, {(tp.topic, tp.partition): e for tp, e in ends.items()},
+                                     stage_settings(stages), counters)
+    await replay_marker.write_done(out, done, codec)  # last: only a replay that got here has one
     return {
         "range": log_range.describe(),
         "namespace": out.namespace,
@@ -158,6 +168,7 @@ async def run(config: ReplayConfig, timeout: float = TIMEOUT_S) -> dict[str, Any
         "elapsed_s": round(elapsed, 3),
         "spans_per_s": round(counters["spans"] / elapsed, 1) if elapsed > 0 else 0.0,
         "config": stage_settings(stages),
+        "done_marker": out.topic(replay_marker.TOPIC),
     }
 
 
@@ -168,7 +179,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         "spans", "rollouts", "trajectories", "groups", "batches", "samples", "dead_letters", "late"))
     return (f"replayed {r['topic']} from {r['from']} to {r['to']} (offsets {offsets}) into "
             f"{', '.join(summary['topics'])}\n  {counts}\n"
-            f"  {summary['spans']} spans in {summary['elapsed_s']:.2f} s: {summary['spans_per_s']:.0f} spans/s\n")
+            f"  {summary['spans']} spans in {summary['elapsed_s']:.2f} s: {summary['spans_per_s']:.0f} spans/s\n"
+            f"  done: marker written to {summary['done_marker']}\n")
 
 
 def parser() -> argparse.ArgumentParser:

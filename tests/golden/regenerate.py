@@ -41,6 +41,7 @@ GOLDEN_SCHEMA_IDS: dict[str, int] = {
     "TrainingBatch": 105,
     "CheckpointEvent": 106,
     "DeadLetter": 107,
+    "ReplayDone": 108,
 }
 
 TOPICS: dict[str, str] = {
@@ -51,6 +52,7 @@ TOPICS: dict[str, str] = {
     "TrainingBatch": "boltstream.batches",
     "CheckpointEvent": "boltstream.checkpoints",
     "DeadLetter": "boltstream.dlq",
+    "ReplayDone": "exp1.replay",
 }
 
 

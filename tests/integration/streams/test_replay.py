@@ -6,7 +6,8 @@
   live samples; the live ``batches`` topic and the worker's committed offsets are the same
   before and after, and no consumer group appeared.
 * A replay SIGKILLed half-way and run again with ``--overwrite`` leaves exactly what an
-  uninterrupted replay writes, record for record.
+  uninterrupted replay writes, record for record; the killed one wrote no done marker, so
+  ``learn --offline`` refuses its output; the re-run's marker counts what it wrote.
 * Bad input (an empty range, offsets out of range, an unknown topic, a namespace holding data
   or a live one, an invalid configuration) exits 1 with the reason.
 """
@@ -202,10 +203,19 @@ async def test_a_replay_killed_half_way_and_run_again_writes_what_an_uninterrupt
     print(f"\nkill-and-rerun: killed with {partial} of {total} batch records written")
     assert 0 < partial < total, f"killed with {partial} of {total} batches written"
 
+    assert not any((await raw_records(killed_settings, "replay")).values()), "a killed replay wrote its marker"
+    untrainable = run_cli("learn", "--model", "tiny", "--offline", f"topic:{killed_settings.topic('batches')}",
+                          "--max-steps", "1", "--workdir", str(tmp_path / "learn"))
+    assert untrainable.returncode == 1 and "a replay that has not finished" in untrainable.stderr, \
+        untrainable.stderr[-2000:]
     refused = run_cli("replay", "--namespace", killed_ns, *args)
     assert refused.returncode == 1 and "already holds data" in refused.stderr and "--overwrite" in refused.stderr
     summary = replay_json(run_cli, "--namespace", killed_ns, "--overwrite", *args)
     assert summary["batches"] == total
+    markers = [Codec().decode(v, expect="ReplayDone") for _, v in (await raw_records(killed_settings, "replay"))[0]]
+    assert len(markers) == 1 and markers[0]["counts"]["samples"] == summary["samples"]
+    batch_ends = {o["partition"]: o["end"] for o in markers[0]["outputs"] if o["topic"] == killed_settings.topic("batches")}
+    assert sum(batch_ends.values()) == total and summary["done_marker"] == killed_settings.topic("replay")
     for short in ("trajectories", "batches"):
         assert await raw_records(killed_settings, short) == whole[short], f"{short} differ from the uninterrupted run"
 

@@ -108,6 +108,36 @@ def test_micro_batch_accumulation_equals_single_batch_gradient(mode: str) -> Non
         assert torch.allclose(g_big[name], g_small[name], atol=1e-6, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_zero_advantage_samples_are_not_run_and_the_gradient_is_unchanged(mode: str) -> None:
+    model = tiny_llama(VOCAB, seed=4)
+    samples = random_samples(8, VOCAB, seed=4)
+    for i, s in enumerate(samples):
+        s["advantage"] = 0.0 if i % 3 else (1.0 if i % 2 else -0.5)  # samples 0, 3, 6 carry a gradient
+    results = []
+    for skip in (False, True):
+        model.zero_grad(set_to_none=True)
+        m = accumulate_gradients(model, samples, StepConfig(loss_agg=mode, skip_zero_advantage=skip,
+                                                            max_tokens_per_micro_batch=60))
+        results.append((m, _grads(model)))
+    (full, g_full), (lean, g_lean) = results
+    assert (full.zero_advantage_skipped, lean.zero_advantage_skipped) == (0, 5)
+    assert lean.input_tokens < full.input_tokens and lean.samples == full.samples == 8
+    assert lean.loss == pytest.approx(full.loss, abs=1e-7)
+    assert g_full.keys() == g_lean.keys()
+    for name in g_full:
+        assert torch.allclose(g_full[name], g_lean[name], atol=1e-7, rtol=1e-5), name
+
+    model.zero_grad(set_to_none=True)
+    kl = accumulate_gradients(model, samples, StepConfig(kl_coef=0.1), ref_model=tiny_llama(VOCAB, seed=5))
+    assert kl.zero_advantage_skipped == 0, "a KL term moves the weights whatever the advantage"
+    for s in samples:
+        s["advantage"] = 0.0
+    model.zero_grad(set_to_none=True)
+    none = accumulate_gradients(model, samples, StepConfig())
+    assert none.zero_advantage_skipped == 7 and all(float(g.abs().max()) == 0.0 for g in _grads(model).values())
+
+
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

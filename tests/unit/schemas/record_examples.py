@@ -223,6 +223,19 @@ DEAD_LETTER: dict[str, Any] = {
     "timestamp_ns": T0 + 2_000_000_000,
 }
 
+REPLAY_DONE: dict[str, Any] = {
+    "namespace": "exp1.",
+    "source_topic": "boltstream.spans",
+    "range_from": "earliest",
+    "range_to": "now",
+    "source_offsets": [{"partition": 0, "start": 0, "end": 622}, {"partition": 1, "start": 0, "end": 0}],
+    "outputs": [{"topic": "exp1.batches", "partition": 0, "end": 32}, {"topic": "exp1.trajectories", "partition": 0,
+                                                                       "end": 128}],
+    "settings_json": '{"call_credit": "episode", "group_size": 4}',
+    "counts": {"spans": 622, "samples": 246},
+    "finished_ns": T0 + 3_000_000_000,
+}
+
 #: record name -> a fully populated example (the golden fixtures are these, encoded).
 EXAMPLES: dict[str, dict[str, Any]] = {
     "Task": TASK,
@@ -232,6 +245,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "TrainingBatch": TRAINING_BATCH,
     "CheckpointEvent": CHECKPOINT_EVENT,
     "DeadLetter": DEAD_LETTER,
+    "ReplayDone": REPLAY_DONE,
 }
 
 #: record name -> only the fields without a schema default (what a producer must always set).
@@ -276,6 +290,8 @@ MINIMAL: dict[str, dict[str, Any]] = {
         "learner_step": 0,
     },
     "DeadLetter": {"reason": "r", "component": "stream", "topic": "boltstream.spans", "value": b""},
+    "ReplayDone": {"namespace": "r.", "source_topic": "boltstream.spans", "range_from": "earliest", "range_to": "now",
+                   "source_offsets": [], "outputs": [], "settings_json": "{}", "counts": {}, "finished_ns": 0},
 }
 
 
