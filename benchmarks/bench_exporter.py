@@ -1,6 +1,21 @@
 """KafkaSpanExporter: overhead on the agent's thread and export throughput, against stock exporters, same run.
 
-    .venv/bin/python benchmarks/bench_exporter.py [--spans 40000] [--repeats 3]
+    .venv/bin/python benchmarks/bench_exporter.py [--spans N] [--repeats 3] [--shape realistic|small]
+        [--calls 5] [--prompt 2000] [--response 200] [--no-shared-prefix] [--only all|spool|capture]
+
+Span shape (``--shape``): ``realistic`` (default) gives every rollout ``--calls`` LLM calls whose spans
+carry ``--prompt`` + ``--response`` token ids and the response logprobs as attributes (Agent
+Lightning's ``prompt_token_ids`` / ``response_token_ids`` / ``response_logprobs``; each prompt
+extends the previous call's prompt + response + 50 tokens unless ``--no-shared-prefix``), one tool
+span per call and the rollout root; ``small`` is the mix below (2 LLM calls without token ids, 2
+tools, the root). Throughputs are reported as spans/s and tokens/s, with bytes per encoded span.
+
+0. Capture (issue 20): the inference worker's per-call cost to record a call,
+   ``build_llm_span`` + ``SpanRecordEncoder`` (the record dict and its framed Avro
+   bytes), for a 4,000 prompt + 500 response token call and for the shape's calls,
+   with today's encoding (packed int32/float32 bytes) and the v1 encoding (Avro
+   arrays, benchmarks/legacy_encoding.py) on the same calls; ``v1_ratio`` = v1 µs /
+   today's µs. Goal: <= 50 µs for the 4k-token call. ``--only capture`` runs just this.
 
 1. Agent-thread overhead. The agent's loop starts and ends spans (a realistic
    mix: a rollout root, tool calls, OpenInference-style LLM calls), and we time
@@ -42,9 +57,15 @@
 
 Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s;
 (issue 21) spool on costs <= 10 % of export throughput while the broker is up.
-Medians over ``--repeats``. JSON goes to benchmarks/results/exporter.json.
+Medians over ``--repeats``. JSON goes to benchmarks/results/exporter_realistic.json
+(``--shape small``: exporter.json; ``--only capture``: exporter_capture.json).
 
-Measured (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
+Realistic shape (``--spans 4400 --repeats 2``, load 5.5, another engineer's training on the
+box): export 3,378 spans/s = 4.1M tokens/s (OTLP/HTTP 132 spans/s); encode 23 µs per span
+(v1 encoding 391 µs, 16.8x), 6,123 B/span (v1 4,679); capture of a 4,000 + 500 token call
+284 µs (v1 encoding 4,984 µs, 17.6x): the 50 µs goal is not met.
+
+Small mix, before issue 20 (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
 throughput 37,400 spans/s (OTLP/HTTP 21,800, console 19,900; the code before
 the batch/caching work: 21,400), small spans 61,400/s, end to end 12,500/s
 (SDK alone 41,100/s), 1.5 µs added at ``span.end()``; exporter CPU per span
@@ -60,6 +81,7 @@ import io
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -84,6 +106,10 @@ from boltstream.producers.span_encoder import SpanRecordEncoder
 from boltstream.producers.tracing import BSP_DEFAULTS
 from boltstream.stack import embedded_stack
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.legacy_encoding import legacy_codec
+from tests.integration.streams.stream_workload import Shape
+
 RESULTS = Path(__file__).parent / "results"
 BATCH = 512
 SINK = """
@@ -97,8 +123,40 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 """
 
 
+SMALL_MIX = "small: per rollout 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs, no token ids)"
+SHAPE: Shape | None = None  # set by main() from the command line; None: the small mix
+
+
+def describe(shape: Shape | None) -> str:
+    return SMALL_MIX if shape is None else f"per rollout 1 root, {shape.calls} tool and {shape.describe()}"
+
+
+def token_calls(shape: Shape | None, seed: int = 5) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]]:
+    """(prompt, response, logprobs) per LLM call of one rollout (tuples: what the OTel SDK keeps),
+    made once and reused by every rollout; none for the small mix."""
+    if shape is None:
+        return []
+    rng = random.Random(seed)
+    ids = lambda n: tuple(rng.randrange(49_152) for _ in range(n))  # noqa: E731
+    out, prompt = [], ids(shape.prompt)
+    for _ in range(shape.calls):
+        response = ids(shape.response)
+        out.append((prompt, response, tuple(-rng.random() for _ in response)))
+        prompt = prompt + response + ids(shape.inserted) if shape.shared_prefix else ids(shape.prompt)
+    return out
+
+
+def tokens_per_span(shape: Shape | None) -> float:
+    """Token ids (prompt + response) per span of the mix: tokens/s = spans/s x this."""
+    calls = token_calls(shape)
+    if not calls:
+        return 0.0
+    return sum(len(p) + len(r) for p, r, _ in calls) / (1 + 2 * len(calls))
+
+
 def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = None, pause: float = 0.0) -> float:
-    """n spans in the shape of an agent's: per rollout 1 root, 2 tool calls, 2 LLM calls.
+    """n spans in the shape of an agent's: per rollout 1 root, 2 tool calls, 2 LLM calls (or as
+    :data:`SHAPE` says: its calls, each an LLM span with token ids after a tool span).
 
     Returns the agent thread's own seconds per span; ``pause`` (the agent's think
     time: LLM latency, tools) is spent between rollouts and not counted.
@@ -107,12 +165,14 @@ def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = Non
     made = 0
     busy = 0.0
     r = 0
+    calls = token_calls(SHAPE)
+    steps = 2 * len(calls) if calls else 4
     while made < n:
         if pause:
             time.sleep(pause)  # the agent waiting on its LLM: the exporter thread gets the CPU meanwhile
         started = time.perf_counter()
         with boltstream.rollout(f"task-{r}", 0, tracer_provider=tp):
-            for k in range(4):
+            for k in range(steps):
                 if k % 2 == 0:
                     attrs = {"openinference.span.kind": "TOOL", "tool.name": "calculator",
                              "input.value": f"{r} * {k} + 7", "output.value": str(r * k + 7)}
@@ -128,6 +188,10 @@ def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = Non
                              "llm.output_messages.0.message.content": f"The answer is {r * k + 7}.",
                              "llm.token_count.prompt": 48, "llm.token_count.completion": 9,
                              "llm.token_count.total": 57}
+                    if calls:
+                        prompt, response, logprobs = calls[k // 2]
+                        attrs.update({"prompt_token_ids": prompt, "response_token_ids": response,
+                                      "response_logprobs": logprobs})
                     name = "ChatCompletion"
                 span = tracer.start_span(name, attributes=attrs)
                 t0 = time.perf_counter()
@@ -135,7 +199,7 @@ def agent_workload(tp: TracerProvider, n: int, timings: list[float] | None = Non
                 if timings is not None:
                     timings.append(time.perf_counter() - t0)
         busy += time.perf_counter() - started
-        made += 5
+        made += steps + 1
         r += 1
     return busy / made
 
@@ -204,24 +268,78 @@ def end_to_end(exporter: Any, flush: Callable[[], bool], n: int) -> float:
     return rate
 
 
-def stages(spans: list[ReadableSpan], settings: Any, repeats: int) -> dict[str, float]:
-    """Single-threaded CPU µs per span to normalise and to encode the mix (best of ``repeats``)."""
-    normalise, encode = SpanNormaliser(), SpanRecordEncoder(settings)
-    best = {"normalise_us": float("inf"), "encode_us": float("inf")}
+def stages(spans: list[ReadableSpan], settings: Any, repeats: int, legacy: Any) -> dict[str, float]:
+    """Single-threaded CPU µs per span to normalise and to encode the mix (best of ``repeats``), and
+    to encode it with the v1 encoding (``legacy``: token ids as Avro arrays); bytes per encoded span."""
+    normalise, encode, encode_v1 = SpanNormaliser(), SpanRecordEncoder(settings), SpanRecordEncoder(settings, legacy)
+    best = {"normalise_us": float("inf"), "encode_us": float("inf"), "encode_v1_us": float("inf")}
+    size = {"bytes_per_span": 0.0, "bytes_per_span_v1": 0.0}
     for _ in range(repeats):
         gc.collect()
-        spent = [0.0, 0.0]
+        spent = [0.0, 0.0, 0.0]
+        sizes = [0, 0]
         for i in range(0, len(spans), BATCH):  # in batches, as the exporter does: no giant heap of records
             t0 = time.process_time()
             records = [normalise(s) for s in spans[i:i + BATCH]]
             t1 = time.process_time()
             for r in records:
-                encode(r)
+                sizes[0] += len(encode(r)[1])
+            t2 = time.process_time()
+            for r in records:
+                sizes[1] += len(encode_v1(r)[1])
             spent[0] += t1 - t0
-            spent[1] += time.process_time() - t1
-        best["normalise_us"] = min(best["normalise_us"], spent[0] / len(spans) * 1e6)
-        best["encode_us"] = min(best["encode_us"], spent[1] / len(spans) * 1e6)
-    return best
+            spent[1] += t2 - t1
+            spent[2] += time.process_time() - t2
+        for key, sec in zip(best, spent, strict=True):
+            best[key] = min(best[key], sec / len(spans) * 1e6)
+        size = {"bytes_per_span": sizes[0] / len(spans), "bytes_per_span_v1": sizes[1] / len(spans)}
+    return {**best, **size}
+
+
+def capture_cost(legacy: Any, repeats: int) -> dict[str, Any]:
+    """µs per call of the inference worker's capture (record + framed bytes), today vs v1 (part 0)."""
+    from boltstream.config import Settings
+    from boltstream.inference.backend import Completion, SamplingParams
+    from boltstream.inference.capture import CallContext, build_llm_span
+
+    settings = Settings()
+    encoders = {"packed": SpanRecordEncoder(settings), "v1": SpanRecordEncoder(settings, legacy)}
+    assert all(e.fast for e in encoders.values()), "the fast Span encoder refused a schema"
+    ctx = CallContext(ids={"boltstream.rollout_id": "r-bench"}, trace_id="ab" * 16, start_ns=time.time_ns())
+    rng = random.Random(11)
+    calls_4k = [([rng.randrange(49_152) for _ in range(4000)], [rng.randrange(49_152) for _ in range(500)],
+                 [-rng.random() for _ in range(500)]) for _ in range(20)]
+    shape_calls = [(list(p), list(r), list(lp)) for p, r, lp in token_calls(SHAPE)]
+    out: dict[str, Any] = {}
+    for label, calls in (("call_4000_500", calls_4k), ("shape_calls", shape_calls)):
+        if not calls:
+            continue
+        tokens = sum(len(p) + len(r) for p, r, _ in calls)
+        runs: dict[str, list[float]] = {name: [] for name in encoders}
+        size: dict[str, int] = {}
+        for _ in range(max(repeats, 5)):
+            for name, encode in encoders.items():
+                gc.collect()
+                started, total = time.perf_counter(), 0
+                for _ in range(10):
+                    for prompt, response, logprobs in calls:
+                        record = build_llm_span(ctx, operation="chat", request_model="m", served_model="m",
+                                                response_id="chatcmpl-1", prompt_ids=prompt,
+                                                completion=Completion(response, logprobs, "stop", ""),
+                                                choice_index=0, params=SamplingParams(temperature=0.7),
+                                                policy_version=3)
+                        total += len(encode(record)[1])
+                runs[name].append((time.perf_counter() - started) / (10 * len(calls)))
+                size[name] = total // (10 * len(calls))
+        row = {}
+        for name, secs in runs.items():
+            sec = statistics.median(secs)
+            row[name] = {"us_per_call": round(sec * 1e6, 1), "tokens_per_s": round(tokens / len(calls) / sec),
+                         "bytes_per_span": size[name]}
+        row["v1_ratio"] = round(row["v1"]["us_per_call"] / row["packed"]["us_per_call"], 2)
+        out[label] = row
+    out["goal_4k_call_le_50us"] = out["call_4000_500"]["packed"]["us_per_call"] <= 50
+    return out
 
 
 def spool_comparison(settings: Any, tmp: str, spans: list[ReadableSpan], agent_n: int,
@@ -276,13 +394,32 @@ def print_spool(sp: dict[str, dict[str, float]]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--spans", type=int, default=40_000)
+    ap.add_argument("--spans", type=int, default=None, help="spans per throughput run (40,000 small, 8,000 realistic)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", choices=("realistic", "small"), default="realistic", help="span shape (see above)")
+    ap.add_argument("--calls", type=int, default=5, help="realistic: LLM calls per rollout")
+    ap.add_argument("--prompt", type=int, default=2000, help="realistic: prompt token ids of the first call")
+    ap.add_argument("--response", type=int, default=200, help="realistic: response token ids per call")
+    ap.add_argument("--no-shared-prefix", action="store_true", help="realistic: independent prompts")
     ap.add_argument("--paced-spans", type=int, default=5_000, help="spans per run with agent think time")
     ap.add_argument("--pause-ms", type=float, default=2.0, help="agent think time between rollouts (5 spans)")
     ap.add_argument("--spool-repeats", type=int, default=7, help="spool off/on pairs (their median ratio is reported)")
-    ap.add_argument("--only", choices=("all", "spool"), default="all", help="spool: only the spool on/off part")
+    ap.add_argument("--only", choices=("all", "spool", "capture"), default="all",
+                    help="spool: only the spool on/off part; capture: only part 0")
     args = ap.parse_args()
+    global SHAPE
+    if args.shape == "realistic":
+        SHAPE = Shape(args.calls, args.prompt, args.response, not args.no_shared_prefix)
+    args.spans = args.spans or (40_000 if args.shape == "small" else 8_000)
+    legacy_dir = tempfile.TemporaryDirectory()
+    legacy = legacy_codec(Path(legacy_dir.name))
+    if args.only == "capture":
+        capture = capture_cost(legacy, args.repeats)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "exporter_capture.json").write_text(json.dumps(
+            {"capture": capture, "shape": describe(SHAPE), "loadavg": list(os.getloadavg())}, indent=2))
+        print_capture(capture)
+        return 0
     if args.only == "spool":
         with tempfile.TemporaryDirectory() as tmp, embedded_stack(tmp, partitions=4) as settings:
             sp = spool_comparison(settings, tmp, finished_spans(args.spans), min(args.spans, 20_000), args.spool_repeats)
@@ -296,7 +433,7 @@ def main() -> int:
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.DEVNULL)
     devnull = open(os.devnull, "w")
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"shape": describe(SHAPE), "capture": capture_cost(legacy, args.repeats)}
     try:
         with tempfile.TemporaryDirectory() as tmp, embedded_stack(tmp, partitions=4) as settings:
             otlp_url = f"http://127.0.0.1:{port}/v1/traces"
@@ -362,7 +499,7 @@ def main() -> int:
                 results[f"throughput{label}_boltstream_cpu_us_per_span"] = {
                     "exporter_process": statistics.median(cpu), "broker": statistics.median(broker_cpu)}
                 if not small:
-                    results["stages_us_per_span"] = stages(spans, settings, args.repeats)
+                    results["stages_us_per_span"] = stages(spans, settings, args.repeats, legacy)
                 del spans
 
             e2e: dict[str, list[float]] = {"none": [], "boltstream": [], "otlp_http": [], "console": []}
@@ -389,6 +526,9 @@ def main() -> int:
     st["handoff_aiokafka_us"] = cpu["exporter_process"] - st["normalise_us"] - st["encode_us"]
     st["broker_us"] = cpu["broker"]
     st["wall_us_per_exported_span"] = 1e6 / t["boltstream"]
+    per_span = tokens_per_span(SHAPE)
+    results["throughput_tokens_per_s"] = {k: v * per_span for k, v in t.items()}
+    results["end_to_end_tokens_per_s"] = {k: v * per_span for k, v in e2e_rate.items()}
     results["ratios"] = {
         "added_span_end_us_vs_otlp_http": a["boltstream"]["added_span_end_us"] / max(a["otlp_http"]["added_span_end_us"], 1e-9),
         "throughput_vs_otlp_http": t["boltstream"] / t["otlp_http"],
@@ -396,6 +536,8 @@ def main() -> int:
         "small_throughput_vs_otlp_http": results["throughput_small_spans_spans_per_s"]["boltstream"]
         / results["throughput_small_spans_spans_per_s"]["otlp_http"],
         "end_to_end_vs_otlp_http": e2e_rate["boltstream"] / e2e_rate["otlp_http"],
+        "encode_v1_us_vs_today": st["encode_v1_us"] / st["encode_us"],
+        "capture_4k_call_v1_us_vs_today": results["capture"]["call_4000_500"]["v1_ratio"],
     }
     results["goals"] = {
         "added_us_at_span_end_lt_20": a["boltstream"]["added_span_end_us"] < 20,
@@ -403,13 +545,18 @@ def main() -> int:
         "spans_per_s_ge_20000": t["boltstream"] >= 20_000,
         "small_spans_per_s_ge_20000": results["throughput_small_spans_spans_per_s"]["boltstream"] >= 20_000,
         "spool_throughput_cost_le_10pct": results["spool"]["on_vs_off"]["throughput_cost"] <= 0.10,
+        "capture_4k_call_le_50us": results["capture"]["goal_4k_call_le_50us"],
     }
     results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
     results["params"] = {"spans": args.spans, "repeats": args.repeats, "batch": BATCH, "bsp_end_to_end": BSP_DEFAULTS,
-                         "mix": "per rollout: 1 root, 2 tool (4 attrs), 2 LLM (OpenInference, 14 attrs)"}
+                         "mix": describe(SHAPE)}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "exporter.json").write_text(json.dumps(results, indent=2))
+    out_name = "exporter.json" if args.shape == "small" else f"exporter_{args.shape}.json"
+    (RESULTS / out_name).write_text(json.dumps(results, indent=2))
+    legacy_dir.cleanup()
+    print(f"shape: {describe(SHAPE)}")
+    print_capture(results["capture"])
 
     print(f"{'exporter':<12}{'span.end() µs':>14}{'added':>8}{'start+end µs':>14}{'added':>8}"
           f"{'saturated +µs':>15}{'export/s':>10}{'end-to-end/s':>14}")
@@ -426,14 +573,30 @@ def main() -> int:
           f"creating them through BatchSpanProcessor{BSP_DEFAULTS} until acked (none = SDK alone)")
     print(f"throughput boltstream/otlp_http = {results['ratios']['throughput_vs_otlp_http']:.2f}x, "
           f"boltstream/console = {results['ratios']['throughput_vs_console']:.2f}x")
+    tt = results["throughput_tokens_per_s"]
+    print(f"tokens/s exported: boltstream {tt['boltstream']:.0f}, otlp_http {tt['otlp_http']:.0f}; "
+          f"{per_span:.0f} token ids per span of the mix; bytes per encoded span {st['bytes_per_span']:.0f} "
+          f"(v1 encoding {st['bytes_per_span_v1']:.0f}); encode µs per span {st['encode_us']:.1f} "
+          f"(v1 encoding {st['encode_v1_us']:.1f}, {results['ratios']['encode_v1_us_vs_today']:.2f}x)")
     print(f"CPU per span of the mix (µs): SDK start+end {st['sdk_start_end_us']:.1f} (agent thread); exporter: "
           f"normalise {st['normalise_us']:.1f} + encode {st['encode_us']:.1f} + hand-off/aiokafka "
           f"{st['handoff_aiokafka_us']:.1f} = {cpu['exporter_process']:.1f}; broker {st['broker_us']:.1f}; "
           f"wall {st['wall_us_per_exported_span']:.1f} per exported span")
     print_spool(results["spool"])
     print(f"load average {load_at_start[0]:.1f} at start, {results['machine']['loadavg_at_end'][0]:.1f} at end; "
-          f"goals: {results['goals']}  -> {RESULTS / 'exporter.json'}")
+          f"goals: {results['goals']}  -> {RESULTS / out_name}")
     return 0
+
+
+def print_capture(capture: dict[str, Any]) -> None:
+    for label, row in capture.items():
+        if not isinstance(row, dict):
+            continue
+        p, v = row["packed"], row["v1"]
+        print(f"capture {label}: {p['us_per_call']:.1f} µs per call ({p['tokens_per_s']:,} tokens/s, "
+              f"{p['bytes_per_span']:,} B/span); v1 encoding {v['us_per_call']:.1f} µs ({v['tokens_per_s']:,} tokens/s, "
+              f"{v['bytes_per_span']:,} B/span): {row['v1_ratio']:.2f}x")
+    print(f"goal capture of a 4,000 + 500 token call <= 50 µs: {capture['goal_4k_call_le_50us']}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,34 @@
 """Stream app: spans/s through one worker and root-span-to-samples latency, against the pure core alone.
 
-    .venv/bin/python benchmarks/bench_stream.py [--tasks 1500] [--latency-s 10] [--rate 100] [--latency-only]
+    .venv/bin/python benchmarks/bench_stream.py [--shape realistic|small] [--calls 5] [--prompt 2000]
+        [--response 200] [--no-shared-prefix] [--tasks N] [--latency-s 10] [--rate R] [--latency-only]
 
 On a private embedded stack (Tansu + moto), with the synthetic rollouts of the
-integration tests (1-5 LLM calls, tools some of which fail, ~7.5 spans per
-rollout, groups of 4):
+integration tests (tools some of which fail, groups of 4), in one of two span shapes:
+
+* ``realistic`` (default): every rollout makes ``--calls`` LLM calls of ``--prompt`` prompt +
+  ``--response`` response token ids, each prompt extending the previous call's prompt + response
+  + 50 tool tokens (``--no-shared-prefix``: independent prompts); ~10-13 kB per LLM span.
+* ``small``: the integration tests' rollouts (1-5 calls of ~8-40 prompt + 4-16 response ids,
+  ~7.5 spans per rollout, ~330 B per span): the per-span fixed costs.
+
+Every figure is reported as spans/s and tokens/s (token ids of the LLM spans: prompt + response),
+with the mean encoded bytes per span.
 
 1. Pure core: the same spans decoded, assembled, encoded as Trajectories,
    decoded again, grouped into TrainingBatches and encoded, in one process
    without Kafka, with the worker's GC settings (``tune_gc``). The ceiling for
-   a single Python process.
+   a single Python process. Run twice on the same rollouts: with today's
+   encoding (packed token bytes) and with the v1 encoding (token ids as Avro
+   arrays: Span v1, Trajectory/TrainingBatch v2, benchmarks/legacy_encoding.py);
+   ``v1_ratio`` = today's tokens/s / v1's. Only the pure core can run both: the
+   worker runs today's code.
 2. Throughput: one ``boltstream stream worker`` (a subprocess, group size 4),
    warmed up with one task, then ``--tasks`` x 4 rollouts produced as fast as
    possible; spans/s = spans / (first span produced -> last sample readable).
+   Also the worker process' CPU seconds meanwhile, and tokens per worker CPU
+   second: producing 10 kB spans into the broker on the same 2 cores can be
+   slower than the worker, and then the wall-clock rate measures the producer.
    Measured with the fast consumer (default: each fetch handed to the stages
    as one batch) and with faust's stock per-record agents (``--no-fast-consumer``).
 3. Latency: a worker with group size 1 (no waiting for the rest of a group)
@@ -21,12 +37,18 @@ rollout, groups of 4):
    consumer reads one of its samples. p50/p99/max. ``--latency-only`` runs
    this part alone.
 
-Goals: >= 5,000 spans/s per worker (issue 5); p99 <= 100 ms excluding group
-wait (issue 20; issue 5 asked 250 ms). The load average at start and end is recorded: other processes on the
+Goals: >= 5,000 spans/s per worker (issue 5, small shape); on the realistic shape
+>= 2M tokens/s through one worker and >= 10x the v1 encoding (issue 20); p99 <= 100 ms
+excluding group wait (issue 20; issue 5 asked 250 ms). The load average at start and end is recorded: other processes on the
 box (the broker shares the cores too) move every number. JSON goes to
-benchmarks/results/stream.json.
+benchmarks/results/stream_realistic.json (``--shape small``: stream.json).
 
-Measured on the 2-core VM with default arguments (docs/streams.md has the table):
+Realistic shape, default arguments, load 2.0 at start (docs/streams.md, "Realistic spans"):
+pure core 5.6M tokens/s packed against 0.59M with the v1 encoding (9.4x; 10.4x in a run at
+load 2.3); the worker 1.0M tokens/s by the wall clock, bounded by the bench's producer (7.5
+of 10.7 s), and 2.15M tokens per worker CPU second; p99 135 ms at 20 rollouts/s.
+
+Small shape (before issue 20 the default), measured on the 2-core VM (docs/streams.md has the table):
 before batch delivery and the pure-core work, load 0.95 at start: pure core
 7,484 spans/s, worker 1,991 (stock faust 1,800), p99 184 ms; after, load 0.84:
 pure core 20,171, worker 9,660 (stock 2,821), p50 37 ms, p99 200 ms; after,
@@ -56,6 +78,7 @@ sys.path.insert(0, str(ROOT))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
+from benchmarks.legacy_encoding import legacy_codec  # noqa: E402
 from boltstream.config import Settings  # noqa: E402
 from boltstream.kafka import consumer_kwargs, producer_kwargs  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
@@ -63,11 +86,29 @@ from boltstream.stack import embedded_stack, settings_env  # noqa: E402
 from boltstream.streams import assemble_trajectory, build_training_batches  # noqa: E402
 from boltstream.streams.worker import tune_gc  # noqa: E402
 from boltstream.topics import ensure_topics  # noqa: E402
-from tests.integration.streams.stream_workload import encoded_spans, make_workload  # noqa: E402
+from tests.integration.streams.stream_workload import Rollout, Shape, encoded_spans, make_workload  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BOLTSTREAM = Path(sys.executable).with_name("boltstream")
 GROUP = 4
+
+
+def llm_tokens(rollouts: list[Rollout]) -> int:
+    """Token ids the rollouts' LLM spans carry (prompt + response): what tokens/s counts."""
+    return sum(len(p) + len(r) for ro in rollouts for p, r in ro.calls)
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far; NaN where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def rates(spans: int, tokens: int, seconds: float) -> dict[str, float]:
+    return {"spans_per_s": round(spans / seconds, 1), "tokens_per_s": round(tokens / seconds)}
 
 
 def pure_core(records: list[tuple[bytes, bytes]], codec: Codec) -> float:
@@ -142,7 +183,7 @@ class SampleWatch:
 
 async def warm_up(settings: Settings, watch: SampleWatch, codec: Codec, run: str, group: int) -> None:
     """One task through the worker: it has joined its group and recovered before timing starts."""
-    rollouts = make_workload(1, group, seed=1, run=f"{run}-warm")
+    rollouts = make_workload(1, group, seed=1, run=f"{run}-warm")  # small: only the worker's start matters
     await produce(settings, encoded_spans(codec, settings.topic("spans"), rollouts))
     await watch.wait_rollouts({r.rollout_id for r in rollouts}, timeout=120)
 
@@ -162,7 +203,7 @@ async def produce(settings: Settings, records: list[tuple[bytes, bytes]]) -> Non
 NO_GRACE = ("--grace-s", "0")
 
 
-async def throughput(settings: Settings, tmp: Path, tasks: int, fast: bool) -> dict[str, Any]:
+async def throughput(settings: Settings, tmp: Path, tasks: int, fast: bool, shape: Shape | None) -> dict[str, Any]:
     codec = Codec()
     app_id = f"{settings.namespace}bench-{'fast' if fast else 'stock'}"
     proc = start_worker(settings, app_id, tmp / f"{app_id}.log", "--group-size", str(GROUP), *NO_GRACE,
@@ -171,21 +212,27 @@ async def throughput(settings: Settings, tmp: Path, tasks: int, fast: bool) -> d
     await watch.start()
     try:
         await warm_up(settings, watch, codec, settings.namespace, GROUP)
-        rollouts = make_workload(tasks, GROUP, seed=3, run=settings.namespace)
+        rollouts = make_workload(tasks, GROUP, seed=3, run=settings.namespace, shape=shape)
         records = encoded_spans(codec, settings.topic("spans"), rollouts)
+        tokens = llm_tokens(rollouts)
+        cpu = proc_cpu(proc.pid)
         started = time.perf_counter()
         await produce(settings, records)
         produced = time.perf_counter() - started
         await watch.wait_rollouts({r.rollout_id for r in rollouts}, timeout=600)
         elapsed = time.perf_counter() - started
+        cpu = proc_cpu(proc.pid) - cpu
     finally:
         await watch.stop()
         stop(proc)
-    return {"spans": len(records), "rollouts": len(rollouts), "produce_s": round(produced, 3),
-            "elapsed_s": round(elapsed, 3), "spans_per_s": round(len(records) / elapsed, 1)}
+    # The worker's own CPU seconds meanwhile: when producing the input is the bottleneck (large spans on
+    # a shared 2-core box), tokens per worker CPU second is what one worker with a core of its own does.
+    return {"spans": len(records), "rollouts": len(rollouts), "tokens": tokens, "produce_s": round(produced, 3),
+            "elapsed_s": round(elapsed, 3), **rates(len(records), tokens, elapsed),
+            "worker_cpu_s": round(cpu, 2), "tokens_per_worker_cpu_s": round(tokens / cpu)}
 
 
-async def latency(settings: Settings, tmp: Path, seconds: float, rate: float) -> dict[str, Any]:
+async def latency(settings: Settings, tmp: Path, seconds: float, rate: float, shape: Shape | None) -> dict[str, Any]:
     codec = Codec()
     app_id = f"{settings.namespace}bench-latency"
     proc = start_worker(settings, app_id, tmp / f"{app_id}.log", "--group-size", "1", *NO_GRACE)
@@ -197,7 +244,7 @@ async def latency(settings: Settings, tmp: Path, seconds: float, rate: float) ->
     try:
         await warm_up(settings, watch, codec, settings.namespace, 1)
         count = int(seconds * rate)
-        rollouts = make_workload(count, 1, seed=9, run=f"{settings.namespace}lat")
+        rollouts = make_workload(count, 1, seed=9, run=f"{settings.namespace}lat", shape=shape)
         topic = settings.topic("spans")
         stop_polling = asyncio.Event()
 
@@ -228,52 +275,90 @@ async def latency(settings: Settings, tmp: Path, seconds: float, rate: float) ->
     spans = sum(len(r.spans) for r in rollouts)
     return {
         "rollouts": len(root_sent), "answered": len(lat_ms), "rate_rollouts_per_s": rate,
-        "rate_spans_per_s": round(spans / seconds, 1),
+        "rate_spans_per_s": round(spans / seconds, 1), "rate_tokens_per_s": round(llm_tokens(rollouts) / seconds),
         "p50_ms": round(statistics.median(lat_ms), 2),
         "p99_ms": round(lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))], 2),
         "max_ms": round(lat_ms[-1], 2),
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    codec = Codec()
-    if not args.latency_only:
-        sample = make_workload(args.tasks, GROUP, seed=3, run="pure")
-        records = encoded_spans(codec, "bench.spans", sample)
-        results["pure_core_spans_per_s"] = round(statistics.median(pure_core(records, codec) for _ in range(3)), 1)
-    with tempfile.TemporaryDirectory() as tmp_name, embedded_stack(tmp_name, partitions=4) as base:
+def pure_cores(rollouts: list[Rollout], legacy_dir: Path) -> dict[str, Any]:
+    """The pure core with today's encoding and with v1's, on the same rollouts, interleaved (3 each)."""
+    spans, tokens = sum(len(r.spans) for r in rollouts), llm_tokens(rollouts)
+    out: dict[str, Any] = {}
+    codecs = {"packed": Codec(), "v1": legacy_codec(legacy_dir)}
+    records = {name: encoded_spans(c, "bench.spans", rollouts) for name, c in codecs.items()}
+    runs: dict[str, list[float]] = {name: [] for name in codecs}
+    for _ in range(3):
+        for name, c in codecs.items():
+            runs[name].append(pure_core(records[name], c))
+    for name in codecs:
+        per_s = statistics.median(runs[name])
+        out[name] = {**rates(spans, tokens, spans / per_s),
+                     "bytes_per_span": round(sum(len(v) for _, v in records[name]) / spans)}
+    out["v1_ratio"] = round(out["packed"]["tokens_per_s"] / out["v1"]["tokens_per_s"], 2)
+    return out
+
+
+async def run(args: argparse.Namespace, shape: Shape | None) -> dict[str, Any]:
+    results: dict[str, Any] = {"shape": shape.describe() if shape else "small (the integration tests' rollouts)",
+                               "tasks": args.tasks, "group_size": GROUP}
+    with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        for label, fast in () if args.latency_only else (("fast_consumer", True), ("stock_faust", False)):
-            settings = Settings(**{**base.__dict__, "namespace": f"bench{label[:4]}."})
+        if not args.latency_only:
+            sample = make_workload(args.tasks, GROUP, seed=3, run="pure", shape=shape)
+            results["pure_core"] = pure_cores(sample, tmp / "legacy-schemas")
+            del sample
+        (tmp / "stack").mkdir()
+        with embedded_stack(str(tmp / "stack"), partitions=4) as base:
+            labels = (("fast_consumer", True),) + ((("stock_faust", False),) if args.stock else ())
+            for label, fast in () if args.latency_only else labels:
+                settings = Settings(**{**base.__dict__, "namespace": f"bench{label[:4]}."})
+                await ensure_topics(settings)
+                results[f"worker_{label}"] = await throughput(settings, tmp, args.tasks, fast, shape)
+            settings = Settings(**{**base.__dict__, "namespace": "benchlat."})
             await ensure_topics(settings)
-            results[f"worker_{label}"] = await throughput(settings, tmp, args.tasks, fast)
-        settings = Settings(**{**base.__dict__, "namespace": "benchlat."})
-        await ensure_topics(settings)
-        results["latency_group_size_1"] = await latency(settings, tmp, args.latency_s, args.rate)
+            results["latency_group_size_1"] = await latency(settings, tmp, args.latency_s, args.rate, shape)
     if not args.latency_only:
         best = results["worker_fast_consumer"]["spans_per_s"]
-        results["framework_overhead_ratio"] = round(results["pure_core_spans_per_s"] / best, 2)
+        results["framework_overhead_ratio"] = round(results["pure_core"]["packed"]["spans_per_s"] / best, 2)
     return results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", type=int, default=1500, help="tasks (x4 rollouts) for the throughput runs")
+    ap.add_argument("--shape", choices=("realistic", "small"), default="realistic", help="span shape (see above)")
+    ap.add_argument("--calls", type=int, default=5, help="realistic: LLM calls per rollout")
+    ap.add_argument("--prompt", type=int, default=2000, help="realistic: prompt token ids of the first call")
+    ap.add_argument("--response", type=int, default=200, help="realistic: response token ids per call")
+    ap.add_argument("--no-shared-prefix", action="store_true", help="realistic: independent prompts")
+    ap.add_argument("--tasks", type=int, default=None,
+                    help="tasks (x4 rollouts) for the throughput runs (default 200 realistic, 1500 small)")
     ap.add_argument("--latency-s", type=float, default=10.0, help="seconds of steady load for the latency run")
-    ap.add_argument("--rate", type=float, default=100.0, help="rollouts/s during the latency run")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="rollouts/s during the latency run (default 20 realistic, 100 small)")
     ap.add_argument("--latency-only", action="store_true", help="run part 3 only (no pure core, no throughput)")
+    ap.add_argument("--no-stock", dest="stock", action="store_false", help="skip the stock faust run")
     args = ap.parse_args()
+    small = args.shape == "small"
+    shape = None if small else Shape(args.calls, args.prompt, args.response, not args.no_shared_prefix)
+    args.tasks = args.tasks or (1500 if small else 200)
+    args.rate = args.rate or (100.0 if small else 20.0)
     load_at_start = list(os.getloadavg())
     tune_gc()  # the worker's GC settings, so the pure core is measured like the worker runs it
-    results = asyncio.run(run(args))
+    results = asyncio.run(run(args, shape))
     results["goals"] = {"p99_ms<=100": results["latency_group_size_1"]["p99_ms"] <= 100}
     if not args.latency_only:
-        results["goals"]["spans_per_s_per_worker>=5000"] = results["worker_fast_consumer"]["spans_per_s"] >= 5000
+        worker = results["worker_fast_consumer"]
+        if small:
+            results["goals"]["spans_per_s_per_worker>=5000"] = worker["spans_per_s"] >= 5000
+        else:
+            results["goals"]["tokens_per_s_per_worker>=2M"] = worker["tokens_per_s"] >= 2_000_000
+            results["goals"]["v1_ratio>=10"] = results["pure_core"]["v1_ratio"] >= 10
     results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "loadavg_at_start": load_at_start, "loadavg_at_end": list(os.getloadavg())}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "stream.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / f"stream{'' if small else '_' + args.shape}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 

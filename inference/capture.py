@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from boltstream.inference.backend import LOGPROBS_MODE, Completion, SamplingParams
 from boltstream.producers.headers import HEADER_CAPTURE, ids_from_headers, session_from_headers
+from boltstream.schemas.packed import F32, I32, as_array
 from boltstream.schemas.records import ATTEMPT_ID, INFERENCE_SCOPE, ROLLOUT_ID, TASK_ID, span_key
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def build_llm_span(
     span_id: str | None = None,
     adapter: str | None = None,
 ) -> dict[str, Any]:
-    """One ``Span`` record (schemas/span/v1.avsc) for one sampled completion.
+    """One ``Span`` record (schemas/span/v2.avsc; token ids packed on the wire) for one sampled completion.
 
     ``span_id``: the one the completion id already names (the first choice's); random otherwise.
     ``adapter``: the named LoRA adapter that answered (``boltstream.adapter``; its version is
@@ -157,9 +158,10 @@ def build_llm_span(
         "attempt_id": ctx.ids.get(ATTEMPT_ID),
         "task_id": ctx.ids.get(TASK_ID),
         "llm": {
-            "prompt_token_ids": list(prompt_ids),
-            "response_token_ids": list(completion.token_ids),
-            "response_logprobs": [float(x) for x in completion.logprobs],
+            # Packed once here (struct, in C: ~10 ns per id), so encoding the span is a memcpy.
+            "prompt_token_ids": as_array(prompt_ids, I32),
+            "response_token_ids": as_array(completion.token_ids, I32),
+            "response_logprobs": as_array(completion.logprobs, F32),
             "model": served_model,
             "policy_version": policy_version,
             "temperature": params.temperature,

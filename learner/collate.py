@@ -1,4 +1,8 @@
-"""Sample dicts (``schemas/sample/v2.avsc``) -> padded tensors, and micro-batching.
+"""Sample dicts (``schemas/sample/v3.avsc``) -> padded tensors, and micro-batching.
+
+Decoded samples hold their token payloads as ``array.array`` (packed bytes on the wire): tensors are
+built straight from those buffers (``torch.frombuffer``, no per-token Python objects); lists (tests,
+offline Parquet) go through ``torch.as_tensor`` as before.
 
 Everything per-token is moved to *label positions* here, once: position ``t`` of
 ``labels`` / ``loss_mask`` / ``behaviour_logprobs`` / ``advantages`` describes token
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +43,18 @@ def scoring_temperature(sample: Sample) -> float:
     was recorded (None) or the call was greedy (0), the logprob convention of
     ``boltstream.inference.backend``."""
     return float(sample.get("temperature") or 1.0)
+
+
+_ARRAY_DTYPES = {"i": torch.int32, "l": torch.int64, "q": torch.int64, "f": torch.float32, "d": torch.float64,
+                 "B": torch.uint8, "b": torch.int8}
+
+
+def as_tensor(values: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-d tensor of ``values``: a zero-copy view of an ``array.array`` (in its own item type: the
+    caller's assignment into a padded tensor converts), else ``torch.as_tensor(values, dtype)``."""
+    if isinstance(values, array) and len(values) and values.typecode in _ARRAY_DTYPES:
+        return torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode])
+    return torch.as_tensor(values, dtype=dtype)
 
 
 def sample_problem(sample: Sample, vocab_size: int | None = None) -> str | None:
@@ -60,23 +77,29 @@ def sample_problem(sample: Sample, vocab_size: int | None = None) -> str | None:
         return "length_mismatch"
     if not 0 <= plen <= n:
         return "bad_prompt_length"
-    if not any(mask[1:]):
+    try:  # one tensor per payload: the checks below run in C, not per token in Python
+        mask_t = as_tensor(mask, torch.bool).bool()
+        blp_t = as_tensor(blp, torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        return "missing_field"
+    if not bool(mask_t[1:].any()):
         return "no_loss_tokens"
-    if any(mask[:plen]):
+    if bool(mask_t[:plen].any()):
         return "loss_in_prompt"
     if not math.isfinite(adv):
         return "nonfinite_advantage"
     if not math.isfinite(weight) or weight < 0:
         return "bad_loss_weight"
-    for m, lp in zip(mask, blp, strict=True):
-        if m and not (math.isfinite(lp) and lp <= 1e-4):
-            return "bad_behaviour_logprob"
+    if bool((mask_t & ~(torch.isfinite(blp_t) & (blp_t <= 1e-4))).any()):
+        return "bad_behaviour_logprob"
     temperature = sample.get("temperature")
     if temperature is not None and not (isinstance(temperature, int | float) and math.isfinite(temperature)
                                         and temperature >= 0):
         return "bad_temperature"
-    if vocab_size is not None and any(not 0 <= int(t) < vocab_size for t in ids):
-        return "token_out_of_vocab"
+    if vocab_size is not None:
+        ids_t = as_tensor(ids, torch.long)
+        if bool(((ids_t < 0) | (ids_t >= vocab_size)).any()):
+            return "token_out_of_vocab"
     return None
 
 
@@ -142,10 +165,10 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> Batch:
     temperatures = torch.tensor([scoring_temperature(s) for s in samples], dtype=torch.float32)
     versions = torch.full((b,), -1, dtype=torch.long)
     for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
-        input_ids[i, :n] = torch.as_tensor(s["token_ids"], dtype=torch.long)
+        input_ids[i, :n] = as_tensor(s["token_ids"], torch.long)
         attention_mask[i, :n] = 1
-        mask[i, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
-        blp[i, :n] = torch.as_tensor(s["behaviour_logprobs"], dtype=torch.float32)
+        mask[i, :n] = as_tensor(s["loss_mask"], torch.bool)
+        blp[i, :n] = as_tensor(s["behaviour_logprobs"], torch.float32)
         adv[i] = float(s["advantage"])
         weights[i] = float(s.get("loss_weight", 1.0))
         versions[i] = int(s.get("policy_version", -1))

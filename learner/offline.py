@@ -10,10 +10,11 @@ time order (timestamp, partition, offset), as ``replay`` reads spans. That order
 for a recording of a live run: its first groups were sampled by the base policy, its
 last by a policy trained for many steps, and a fresh adapter should meet them in that
 order (read partition after partition, every version was in the first step: approx.
-KL 2.99 at step 1). The ordered reader then feeds the online learner's :class:`~.consumer.GroupAssembler`: groups are rebuilt
-from batch ids and part numbers exactly as online (an export's rows are regrouped
-into their TrainingBatch records first, :func:`boltstream.export.rows.batch_records`),
-K of them per step, trained by the same step code.
+KL 2.99 at step 1). The ordered records feed the online learner's
+:class:`~.consumer.GroupAssembler`: groups are rebuilt from batch ids and part numbers
+exactly as online (an export's rows are regrouped into their TrainingBatch records first,
+:func:`boltstream.export.rows.batch_records`), K of them per step, trained by the same
+step code.
 
 What differs from online, on purpose:
 

@@ -23,8 +23,12 @@ import base64
 import json
 import math
 import numbers
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from boltstream.schemas.errors import SchemaError
+from boltstream.schemas.packed import F32, I32, as_array
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -159,10 +163,24 @@ def _unwrap(v: Any) -> Any:
     return v
 
 
-def int_array(v: Any) -> list[int] | None:
-    """Token ids in any of the shapes agents write -> list of int32, or None if it is not one."""
-    if type(v) in (list, tuple) and all(type(x) is int and INT32_MIN <= x <= INT32_MAX for x in v):
-        return list(v)  # the common case: a real int sequence
+def _packed(v: Any, kind: str) -> array | None:
+    """The common case, checked in C: a list/tuple of numbers packed whole (struct refuses a str, a
+    float for an int, an id beyond int32); None for anything else, or if a bool hides among them."""
+    if type(v) not in (list, tuple):
+        return None
+    try:
+        out = as_array(v, kind)
+    except SchemaError:
+        return None
+    return None if bool in set(map(type, v)) else out
+
+
+def int_array(v: Any) -> array | None:
+    """Token ids in any of the shapes agents write -> ``array('i')`` (what the Span record packs
+    without another pass), or None if it is not one."""
+    fast = _packed(v, I32)
+    if fast is not None:
+        return fast
     v = _unwrap(v)
     if isinstance(v, str | bytes) or not isinstance(v, Sequence):
         return None
@@ -181,11 +199,15 @@ def int_array(v: Any) -> list[int] | None:
         if not INT32_MIN <= i <= INT32_MAX:
             return None
         out.append(i)
-    return out
+    return array("i", out)
 
 
-def float_array(v: Any) -> list[float] | None:
-    """Logprobs in any of the shapes agents write -> list of float, or None."""
+def float_array(v: Any) -> array | None:
+    """Logprobs in any of the shapes agents write -> ``array('f')`` (the Span record keeps logprobs
+    as float32), or None."""
+    fast = _packed(v, F32)
+    if fast is not None:
+        return fast
     v = _unwrap(v)
     if isinstance(v, str | bytes) or not isinstance(v, Sequence):
         return None
@@ -201,7 +223,7 @@ def float_array(v: Any) -> list[float] | None:
         if not isinstance(x, numbers.Real):
             return None
         out.append(float(x))
-    return out
+    return array("f", out)
 
 
 def as_float(v: Any) -> float | None:

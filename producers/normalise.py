@@ -1,4 +1,4 @@
-"""Finished spans -> ``Span`` record dicts (schemas/span/v1.avsc). Pure functions, no I/O.
+"""Finished spans -> ``Span`` record dicts (schemas/span/v2.avsc). Pure functions, no I/O.
 
 Why a neutral :class:`SpanInput`: two very different sources feed the spans
 topic, the in-process SDK (``ReadableSpan``) and an OpenTelemetry Collector

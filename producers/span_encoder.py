@@ -10,7 +10,7 @@ scope, promoted ids: the same for every span of a rollout); nanosecond
 timestamps take an arithmetic fast path. ~5 µs for a tool span, ~9 µs for an
 LLM span with messages (2 cores, Python 3.11).
 
-Safety: the layout below is the Span v1 schema. :class:`FastSpanEncoder`
+Safety: the layout below is the Span v2 schema (token ids as packed bytes). :class:`FastSpanEncoder`
 derives the union branch order from the schema the codec actually uses, and
 on construction encodes a sample record both ways; unless the bytes are
 identical it refuses to be used (:meth:`FastSpanEncoder.create` then returns
@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from boltstream.schemas.packed import pack, wire_fields
 from boltstream.schemas.records import RECORD_HEADROOM, span_key
 
 from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, cap_attributes, fit
@@ -129,6 +130,41 @@ def _field_writer(typ: Any) -> Callable[[Any, Callable[[bytes], Any]], None]:
     raise ValueError(f"no fast writer for llm field type {typ!r}")
 
 
+def _llm_writers(llm_schema: dict[str, Any]) -> list[tuple[str, Callable[[Any, Callable[[bytes], Any]], None], Any]]:
+    """(record key, writer, default) per field of the llm block, in schema order.
+
+    Packed token payloads (Span v2, schemas/packed.py): the ``bytes`` field ``prompt_token_ids_i32``
+    is written from the record's ``prompt_token_ids`` (a list, an array or packed bytes), and the
+    legacy array field of that name is written empty, as ``Codec.encode`` does.
+    """
+    wire = wire_fields(f["name"] for f in llm_schema["fields"])
+    legacy = {w.rpartition("_")[0] for w in wire}
+    out = []
+    for f in llm_schema["fields"]:
+        name = f["name"]
+        if name in wire:
+            logical, _, kind = name.rpartition("_")
+            out.append((logical, _packed_writer(kind, logical), None))
+        elif name in legacy:
+            out.append((name, _empty_array, None))
+        else:
+            out.append((name, _field_writer(f["type"]), f.get("default")))
+    return out
+
+
+def _empty_array(v: Any, w: Callable[[bytes], Any]) -> None:
+    w(b"\x00")
+
+
+def _packed_writer(kind: str, field: str) -> Callable[[Any, Callable[[bytes], Any]], None]:
+    def write(v: Any, w: Callable[[bytes], Any]) -> None:
+        data = b"" if v is None else pack(v, kind, field)
+        w(_long(len(data)))
+        w(data)
+
+    return write
+
+
 def _str(s: str, w: Callable[[bytes], Any]) -> None:
     b = s.encode("utf-8")
     n = len(b)
@@ -159,7 +195,7 @@ class FastSpanEncoder:
         self._null, self._bool, self._long, self._double, self._string = (
             b[ix["null"]], b[ix["boolean"]], b[ix["long"]], b[ix["double"]], b[ix["string"]])
         self._arrays = {k: b[ix[v]] for k, v in _ARRAY_KEYS.items()}
-        self._llm_fields = [(f["name"], _field_writer(f["type"]), f.get("default")) for f in llm_schema["fields"]]
+        self._llm_fields = _llm_writers(llm_schema)
         # Caches of what repeats across spans, each bounded (cleared when full): key bytes, key bytes
         # followed by the string branch (most values are strings), strings, status, resource maps
         # and the record's tail (resource + scope + promoted ids: one per rollout).

@@ -135,7 +135,7 @@ def fit(
         for fld in ("prompt_token_ids", "response_logprobs", "response_token_ids"):
             n = len(rec["llm"][fld])
             if n:
-                steps.append((f"llm.{fld}", lambda f=fld: rec["llm"].__setitem__(f, []), n * 5))
+                steps.append((f"llm.{fld}", lambda f=fld: rec["llm"].__setitem__(f, []), n * 4))  # packed
     for k, v in sorted(record["resource"].items(), key=lambda kv: -_size(kv[1])):
         steps.append((f"resource:{k}", lambda k=k: rec.__setitem__(
             "resource", {rk: rv for rk, rv in rec["resource"].items() if rk != k}), _size(v) + len(k)))

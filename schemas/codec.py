@@ -10,6 +10,18 @@ The decoder accepts both framings whichever way the codec was built, and always 
 in the shape of the NEWEST schema version of their type (schema evolution): a v1 span read by a
 consumer that ships v2 comes back with v2's new fields filled from their defaults.
 
+Token payloads (schemas/packed.py): Span v2, Trajectory/Sample/TrainingBatch v3 carry token ids,
+logprobs and loss masks as little-endian ``bytes`` (``prompt_token_ids_i32``, ...). Avro cannot
+resolve ``array<int>`` into ``bytes``, so the new versions KEEP the old array fields (default ``[]``)
+and ADD the packed ones (default ``""``): plain Avro resolution then reads every old record into the
+new shape, and the registry's BACKWARD_TRANSITIVE check accepts the new versions on existing subjects
+(changing the fields' type in place would be refused there). The codec hides the two wire fields
+behind one logical name: ``encode`` packs ``prompt_token_ids`` (a list, an ``array.array``, a numpy
+array or packed bytes) into ``prompt_token_ids_i32`` and writes ``[]`` into the old field; ``decode``
+puts an ``array.array`` back under ``prompt_token_ids``, from the packed field when it is non-empty,
+else from the old array (a v1/v2 record). One rule, no per-version hooks. The cost: an old consumer
+reading new records sees empty arrays, so upgrade consumers before producers (docs/architecture.md).
+
 Pure functions of bytes and dicts plus two caches; no Kafka here. Everything that can go wrong
 surfaces as ``SchemaError`` naming the topic and the reason.
 """
@@ -35,6 +47,7 @@ from .loader import (
     parse_schema_text,
     snake_case,
 )
+from .packed import has_packed_fields, pack_record, unpack_record
 from .registry import HttpSchemaRegistry, SchemaRegistry
 
 logger = logging.getLogger(__name__)
@@ -54,6 +67,8 @@ class _Writer:
     single_header: bytes
     # Rewrites union values into fastavro's tuple notation before writing (None: nothing to do).
     tag_unions: Callable[[Any], Any] | None
+    # Whether the newest version carries packed token payloads (schemas/packed.py).
+    packed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +79,7 @@ class _Reader:
     writer: dict[str, Any]
     reader: dict[str, Any] | None
     label: str
+    packed: bool = False
 
 
 class Codec:
@@ -72,14 +88,20 @@ class Codec:
     Build one per process and share it (thread-safe; caches only grow). With ``registry=None`` it
     writes single-object encoding; with a registry it writes the Confluent wire format, registering
     subject ``<topic>-value`` on first use. ``schema_dirs`` layers extra ``<snake_name>/v<N>.avsc``
-    folders over the packaged schemas (tests, or reading data from a newer release).
+    folders over the packaged schemas (tests, or reading data from a newer release). ``catalog``
+    replaces the schemas altogether: a ``SchemaCatalog(dirs, include_package=False)`` holding only older
+    versions makes a codec that writes what an older release wrote (benchmarks, compatibility tests).
     """
 
     def __init__(
-        self, registry: SchemaRegistry | None = None, *, schema_dirs: Iterable[SchemaDir] = ()
+        self,
+        registry: SchemaRegistry | None = None,
+        *,
+        schema_dirs: Iterable[SchemaDir] = (),
+        catalog: SchemaCatalog | None = None,
     ) -> None:
         self.registry = registry
-        self.catalog: SchemaCatalog = catalog_for(schema_dirs)
+        self.catalog: SchemaCatalog = catalog if catalog is not None else catalog_for(schema_dirs)
         self._names: dict[str, str] = {}
         self._writers: dict[str, _Writer] = {}
         self._by_fingerprint: dict[bytes, _Reader] = {}
@@ -88,7 +110,10 @@ class Codec:
         for record in self.catalog.records:
             latest = self.catalog.latest(record)
             writer = _Writer(
-                latest, SINGLE_OBJECT_MAGIC + latest.fingerprint, _compile_union_tagger(latest.parsed)
+                latest,
+                SINGLE_OBJECT_MAGIC + latest.fingerprint,
+                _compile_union_tagger(latest.parsed),
+                has_packed_fields(record, latest.parsed),
             )
             for alias in (record, latest.fullname, snake_case(record)):
                 self._names[alias] = record
@@ -97,7 +122,7 @@ class Codec:
             latest = self.catalog.latest(sv.record)
             reader = None if sv.fingerprint == latest.fingerprint else latest.parsed
             self._by_fingerprint[sv.fingerprint] = _Reader(
-                sv.record, sv.parsed, reader, f"{sv.record} v{sv.version}"
+                sv.record, sv.parsed, reader, f"{sv.record} v{sv.version}", self._writers[sv.record].packed
             )
 
     @classmethod
@@ -134,14 +159,21 @@ class Codec:
                 f"cannot encode unknown record type {record!r}; known: {_known(self)}", topic=topic
             )
         header = writer.single_header if self.registry is None else self._confluent_header(writer, topic)
-        payload: Any = value if writer.tag_unions is None else writer.tag_unions(value)
+        payload: Any = value
+        if writer.packed:
+            try:
+                payload = pack_record(writer.version.record, value)
+            except SchemaError as exc:
+                raise SchemaError(f"cannot encode {writer.version.record}: {exc.reason}", topic=topic) from None
+        if writer.tag_unions is not None:
+            payload = writer.tag_unions(payload)
         buf = BytesIO()
         buf.write(header)
         try:
             schemaless_writer(buf, writer.version.parsed, payload, strict_allow_default=True)
         except Exception as exc:  # fastavro raises TypeError/ValueError/KeyError/OverflowError/...
             raise SchemaError(
-                f"cannot encode {writer.version.record}: {_explain_invalid(value, writer.version, exc)}",
+                f"cannot encode {writer.version.record}: {_explain_invalid(payload, writer.version, exc)}",
                 topic=topic,
             ) from exc
         return buf.getvalue()
@@ -163,7 +195,7 @@ class Codec:
             )
         v = writer.version
         self._by_id.setdefault(
-            schema_id, _Reader(v.record, v.parsed, None, f"{v.record} (schema id {schema_id})")
+            schema_id, _Reader(v.record, v.parsed, None, f"{v.record} (schema id {schema_id})", writer.packed)
         )
         header = bytes((CONFLUENT_MAGIC,)) + schema_id.to_bytes(4, "big")
         self._confluent_headers[key] = header
@@ -244,6 +276,11 @@ class Codec:
                 f"corrupt {reader.label} record: {size - buf.tell()} bytes left over after the record",
                 topic=topic,
             )
+        if reader.packed:
+            try:
+                unpack_record(reader.record, result)  # type: ignore[arg-type]
+            except SchemaError as exc:
+                raise SchemaError(f"corrupt {reader.label} record: {exc.reason}", topic=topic) from exc
         return result  # type: ignore[return-value]
 
     def _fetch_writer(self, schema_id: int, topic: str | None) -> _Reader:
@@ -267,10 +304,11 @@ class Codec:
             reader = _Reader(fullname, parsed, None, f"{fullname} (schema id {schema_id})")
         else:
             latest = self.catalog.latest(record)
+            label, packed = f"{record} (schema id {schema_id})", self._writers[record].packed
             if crc64_avro_fingerprint(canonical) == latest.fingerprint:
-                reader = _Reader(record, latest.parsed, None, f"{record} (schema id {schema_id})")
+                reader = _Reader(record, latest.parsed, None, label, packed)
             else:
-                reader = _Reader(record, parsed, latest.parsed, f"{record} (schema id {schema_id})")
+                reader = _Reader(record, parsed, latest.parsed, label, packed)
         logger.debug("schema id %d -> %s", schema_id, reader.label)
         self._by_id[schema_id] = reader
         return reader

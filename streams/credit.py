@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from boltstream.schemas.packed import F32, I32, as_array
 
 from .settings import CreditConfig
 
@@ -124,9 +127,9 @@ def merge_turns(turns: Sequence[Mapping[str, Any]]) -> list[list[int]]:
     temperature (the learner scores a whole sample at one temperature).
     """
     groups: list[list[int]] = []
-    previous: list[int] | None = None
+    previous: array | None = None
     for j, turn in enumerate(turns):
-        prompt = turn["prompt_token_ids"]
+        prompt = as_array(turn["prompt_token_ids"], I32)
         if groups and previous is not None:
             last = turns[groups[-1][-1]]
             if (
@@ -137,16 +140,19 @@ def merge_turns(turns: Sequence[Mapping[str, Any]]) -> list[list[int]]:
                 and turn.get("temperature") == last.get("temperature")
             ):
                 groups[-1].append(j)
-                previous = list(prompt) + list(turn["response_token_ids"])
+                previous = prompt + as_array(turn["response_token_ids"], I32)
                 continue
         groups.append([j])
-        previous = list(prompt) + list(turn["response_token_ids"])
+        previous = prompt + as_array(turn["response_token_ids"], I32)
     return groups
 
 
-def _logprobs(turn: Mapping[str, Any]) -> list[float]:
-    logprobs = list(turn.get("response_logprobs") or [])
-    return logprobs if logprobs else [0.0] * len(turn["response_token_ids"])
+_ZERO = array("f", [0.0])
+
+
+def _logprobs(turn: Mapping[str, Any]) -> array:
+    logprobs = as_array(turn.get("response_logprobs") or (), F32)
+    return logprobs if logprobs else _ZERO * len(turn["response_token_ids"])
 
 
 def trajectory_samples(
@@ -163,17 +169,21 @@ def trajectory_samples(
     samples = []
     for group in groups:
         first = turns[group[0]]
-        tokens = list(first["prompt_token_ids"])
+        # array.array all the way (the Sample's token payloads are packed bytes on the wire): the
+        # decoded turns' arrays are concatenated in C, never turned into Python lists.
+        tokens = array("i", as_array(first["prompt_token_ids"], I32))
         prompt_length = len(tokens)
-        mask = [False] * prompt_length
-        logprobs = [0.0] * prompt_length
+        mask = array("B", bytes(prompt_length))
+        logprobs = _ZERO * prompt_length
         for j in group:
             turn = turns[j]
-            inserted = list(turn["prompt_token_ids"][len(tokens) :])
-            response = list(turn["response_token_ids"])
-            tokens += inserted + response
-            mask += [False] * len(inserted) + [True] * len(response)
-            logprobs += [0.0] * len(inserted) + _logprobs(turn)
+            inserted = as_array(turn["prompt_token_ids"], I32)[len(tokens) :]
+            response = as_array(turn["response_token_ids"], I32)
+            tokens += inserted
+            tokens += response
+            mask.frombytes(bytes(len(inserted)) + b"\x01" * len(response))
+            logprobs += _ZERO * len(inserted)
+            logprobs += _logprobs(turn)
         g = returns.call_returns[group[0]] if config.call_credit == "return" else returns.episode_return
         samples.append(
             {

@@ -13,7 +13,7 @@ Every stage setting of ``boltstream stream worker`` is a flag here too (and a
 interval, consumer path, log period, profile) are not offered.
 
 The output namespace must differ from the live one. One that already holds data is refused
-unless ``--overwrite``, which deletes and recreates its three topics (verified empty, with a
+unless ``--overwrite``, which deletes and recreates its four topics (verified empty, with a
 bounded retry: boltstream.topics.recreate_topics); a namespace with a non-empty ``spans`` topic
 is a live pipeline's and is always refused. A replay killed half-way is simply run again with
 ``--overwrite``: nothing of it is kept but its partial output, which the re-run replaces.

@@ -1,4 +1,4 @@
-"""Read-only helpers over Span records (plain dicts shaped like ``schemas/span/v1.avsc``).
+"""Read-only helpers over Span records (plain dicts shaped like ``schemas/span/v2.avsc``).
 
 Why this module exists: spans come from many producers (our inference worker and
 runner, OpenTelemetry GenAI semantic conventions, OpenInference, OpenLLMetry,

@@ -29,6 +29,7 @@ stage checks on trajectories it consumes).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -59,6 +60,11 @@ def span_problems(spans: Iterable[Mapping[str, Any]]) -> list[str]:
 
 def logprob_problem(logprobs: Iterable[float]) -> str | None:
     """Why behaviour logprobs are unusable (the first bad one and its index), or None."""
+    if isinstance(logprobs, array) and logprobs:
+        # Fast path, in C, for decoded (float32) logprobs: their sum is finite only when none is NaN or
+        # infinite (float32 values cannot overflow a double sum), and a maximum <= 0 means none is > 0.
+        if math.isfinite(sum(logprobs)) and max(logprobs) <= 0:
+            return None
     for index, value in enumerate(logprobs):
         if not _finite(value) or value > 0:
             return f"response_logprobs[{index}] = {value} (must be finite and <= 0)"

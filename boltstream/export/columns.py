@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import base64
 import json
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+
+from boltstream.schemas.packed import wire_fields
 
 Convert = Callable[[Any], Any]
 
@@ -70,6 +73,10 @@ def plain(value: Any) -> Any:
     return value
 
 
+def _tolist(value: Any) -> Any:
+    return value.tolist() if isinstance(value, array) else value
+
+
 def to_json(value: Any) -> str | None:
     """The JSON text of a map or multi-type union value (keys sorted, so equal values give equal text)."""
     return None if value is None else json.dumps(plain(value), sort_keys=True, ensure_ascii=False)
@@ -110,13 +117,18 @@ def column(schema: Any, names: Names | None = None, namespace: str = "") -> Colu
         return Column(PRIMITIVES[kind])
     if kind == "record":
         inner_ns = names.add(schema, namespace)
-        fields = [(f["name"], column(f["type"], names, inner_ns)) for f in schema["fields"]]
+        # Packed token payloads (``prompt_token_ids_i32``) come decoded under their logical names.
+        wire = wire_fields(f["name"] for f in schema["fields"])
+        fields = [(f["name"], column(f["type"], names, inner_ns)) for f in schema["fields"] if f["name"] not in wire]
         return _struct(fields)
     if kind == "array":
         item = column(schema["items"], names, namespace)
-        conv = item.convert
-        return Column(pa.list_(item.type), None if conv is None else (lambda v: None if v is None else
-                                                                     [conv(x) for x in v]))
+        # Decoded token payloads are array.array: lists for JSON lines, and a loss mask's 0/1 bytes as
+        # True/False (Arrow takes nothing else for booleans).
+        conv = bool if item.type == pa.bool_() else item.convert
+        if conv is None:
+            return Column(pa.list_(item.type), _tolist)
+        return Column(pa.list_(item.type), lambda v: None if v is None else [conv(x) for x in v])
     if kind == "map":
         column(schema["values"], names, namespace)  # registers named types defined inside
         return Column(pa.string(), to_json)
@@ -158,10 +170,12 @@ def _struct(fields: list[tuple[str, Column]]) -> Column:
 
 
 def record_fields(schema: Mapping[str, Any], names: Names | None = None) -> list[tuple[str, Any, Column]]:
-    """(name, Avro type, Column) of each top-level field of a record schema, in schema order."""
+    """(name, Avro type, Column) of each top-level field of a record schema, in schema order (without
+    the packed wire fields: the decoded record holds those under their logical names)."""
     names = names if names is not None else Names()
     ns = names.add(schema, "")
-    return [(f["name"], f["type"], column(f["type"], names, ns)) for f in schema["fields"]]
+    wire = wire_fields(f["name"] for f in schema["fields"])
+    return [(f["name"], f["type"], column(f["type"], names, ns)) for f in schema["fields"] if f["name"] not in wire]
 
 
 def nested_record(avro_type: Any, names: Names) -> Mapping[str, Any] | None:

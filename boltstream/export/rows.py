@@ -29,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 
 from boltstream.schemas import default_catalog
+from boltstream.schemas.packed import wire_fields
 
 from .columns import Column, Names, nested_record, record_fields
 
@@ -207,5 +208,8 @@ def batch_records(rows: Iterable[Mapping[str, Any]], sample_fields: Iterable[str
 
 
 def record_field_names(record: str) -> tuple[str, ...]:
-    """Top-level field names of the newest version of ``record`` (``Sample``, ``TrainingBatch``)."""
-    return tuple(f["name"] for f in default_catalog().latest(record).raw["fields"])
+    """Top-level field names of the newest version of ``record`` (``Sample``, ``TrainingBatch``), as
+    the decoded dicts have them (no packed wire fields)."""
+    names = [f["name"] for f in default_catalog().latest(record).raw["fields"]]
+    wire = wire_fields(names)
+    return tuple(n for n in names if n not in wire)

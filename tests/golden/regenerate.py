@@ -58,11 +58,16 @@ TOPICS: dict[str, str] = {
 
 def golden_registry(version: int | None = None) -> InMemorySchemaRegistry:
     """An in-memory registry holding the newest schema of every record (or schema ``version`` of
-    each: the registry the ``v<version>/`` fixtures were written against) under its golden id."""
+    each, or its newest one older than that: the registry the ``v<version>/`` fixtures were written
+    against) under its golden id."""
     first = min(GOLDEN_SCHEMA_IDS.values())
     registry = InMemorySchemaRegistry(first_id=first)
+    catalog = default_catalog()
     for record, schema_id in sorted(GOLDEN_SCHEMA_IDS.items(), key=lambda kv: kv[1]):
-        got = registry.register(f"{TOPICS[record]}-value", default_catalog().get(record, version).schema_json)
+        # A record whose newest version is older than ``version`` was written with that newest one.
+        known = [sv.version for sv in catalog.versions(record)]
+        at = None if version is None else max(v for v in known if v <= version)
+        got = registry.register(f"{TOPICS[record]}-value", catalog.get(record, at).schema_json)
         assert got == schema_id, (record, got, schema_id)
     return registry
 

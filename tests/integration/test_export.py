@@ -18,6 +18,7 @@ from boltstream.config import Settings
 from boltstream.export.rows import batch_records, record_field_names
 from boltstream.export.writers import read_metadata
 from boltstream.schemas import Codec
+from boltstream.schemas.packed import as_lists
 from boltstream.stack import run_sync
 from tests.integration.conftest import boltstream_argv, read_topic
 from tests.integration.learner.helpers import group
@@ -67,7 +68,7 @@ def _decoded(settings: Settings, short: str, record: str) -> dict[tuple[int, int
                 for tp, records in (await consumer.getmany(timeout_ms=500)).items():
                     for r in records:
                         if r.value != GARBAGE:
-                            out[(tp.partition, r.offset)] = codec.decode(r.value, topic=topic, expect=record)
+                            out[(tp.partition, r.offset)] = as_lists(codec.decode(r.value, topic=topic, expect=record))
         finally:
             await consumer.stop()
         return out

@@ -19,11 +19,35 @@ from __future__ import annotations
 import math
 import random
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_ERROR_REWARD = -0.1
 EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The LLM calls of a benchmark rollout: exactly ``calls`` calls of ``prompt`` + ``response`` token
+    ids. With ``shared_prefix`` each call's prompt is the previous call's prompt + response + ``inserted``
+    new tokens (a multi-turn agent: tool output appended), so prompts grow; without, every call has a
+    fresh ``prompt``-token prompt. ``None`` instead of a Shape: the small random rollouts of the tests."""
+
+    calls: int = 5
+    prompt: int = 2000
+    response: int = 200
+    shared_prefix: bool = True
+    inserted: int = 50
+
+    def describe(self) -> str:
+        share = f", shared prefixes (+{self.inserted} tokens per turn)" if self.shared_prefix else ""
+        return f"{self.calls} calls of {self.prompt} prompt + {self.response} response tokens{share}"
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    # Fast enough for millions of ids: two random bytes per id (ids < 65536, a real vocabulary size).
+    return array("H", rng.randbytes(2 * n)).tolist()
 
 
 @dataclass
@@ -73,8 +97,10 @@ def _span(
     }
 
 
-def make_rollout(rng: random.Random, task_id: str, attempt: int, run: str, t0: int = 1_000_000_000) -> Rollout:
-    """One rollout with 1-5 calls; about 1 in 5 tools fails and about 1 in 10 rollouts fails."""
+def make_rollout(rng: random.Random, task_id: str, attempt: int, run: str, t0: int = 1_000_000_000,
+                 shape: Shape | None = None) -> Rollout:
+    """One rollout with 1-5 calls (or as ``shape`` says); about 1 in 5 tools fails and about 1 in 10
+    rollouts fails."""
     attempt_id = f"{task_id}:{attempt}"
     rollout_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{run}/{attempt_id}"))
     trace_id = uuid.uuid5(uuid.NAMESPACE_DNS, rollout_id).hex
@@ -86,14 +112,17 @@ def make_rollout(rng: random.Random, task_id: str, attempt: int, run: str, t0: i
 
     root_id = sid()
     failed = rng.random() < 0.1
-    n_calls = rng.randint(1, 5)
+    n_calls = rng.randint(1, 5) if shape is None else shape.calls
     spans: list[dict[str, Any]] = []
     calls: list[tuple[list[int], list[int]]] = []
     steps: list[float] = []
     now = t0
-    prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(8, 24))]
+    prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(8, 24))] if shape is None else _ids(rng, shape.prompt)
     for _ in range(n_calls):
-        response = [rng.randrange(1, 32000) for _ in range(rng.randint(4, 16))]
+        if shape is None:
+            response = [rng.randrange(1, 32000) for _ in range(rng.randint(4, 16))]
+        else:
+            response = _ids(rng, shape.response)
         llm = {
             "prompt_token_ids": list(prompt),
             "response_token_ids": response,
@@ -115,7 +144,12 @@ def make_rollout(rng: random.Random, task_id: str, attempt: int, run: str, t0: i
             if tool_fails:
                 steps[-1] += TOOL_ERROR_REWARD
             now += 500
-        prompt = prompt + response + [rng.randrange(1, 32000) for _ in range(3)]
+        if shape is None:
+            prompt = prompt + response + [rng.randrange(1, 32000) for _ in range(3)]
+        elif shape.shared_prefix:
+            prompt = prompt + response + _ids(rng, shape.inserted)
+        else:
+            prompt = _ids(rng, shape.prompt)
     final: float | None = None
     if not failed:
         final = rng.choice([0.0, 0.25, 0.5, 1.0])
@@ -131,11 +165,12 @@ def make_rollout(rng: random.Random, task_id: str, attempt: int, run: str, t0: i
     return Rollout(rollout_id, attempt_id, task_id, spans, calls, steps, final, status, root)
 
 
-def make_workload(tasks: int, group_size: int = 4, seed: int = 7, run: str = "run") -> list[Rollout]:
-    """``tasks`` x ``group_size`` rollouts, deterministic for a seed."""
+def make_workload(tasks: int, group_size: int = 4, seed: int = 7, run: str = "run",
+                  shape: Shape | None = None) -> list[Rollout]:
+    """``tasks`` x ``group_size`` rollouts, deterministic for a seed (and shape)."""
     rng = random.Random(seed)
     return [
-        make_rollout(rng, f"task-{run}-{t:04d}", a, run)
+        make_rollout(rng, f"task-{run}-{t:04d}", a, run, shape=shape)
         for t in range(tasks)
         for a in range(group_size)
     ]

@@ -33,6 +33,7 @@ from boltstream.config import Settings
 from boltstream.kafka import admin_kwargs, consumer_kwargs
 from boltstream.log_range import parse_position, read_range, resolve
 from boltstream.schemas import Codec
+from boltstream.schemas.packed import as_lists
 from boltstream.schemas.records import rollout_key
 from boltstream.stack import run_sync
 from boltstream.streams import (
@@ -141,10 +142,10 @@ async def test_replay_with_new_settings_matches_the_reference_and_leaves_the_liv
     assert summary["config"]["credit"]["gamma"] == 0.5 and summary["range"]["topic"] == spans_topic
 
     codec = Codec()
-    decode = lambda raw, expect: [codec.decode(v, expect=expect) for p in sorted(raw) for _, v in raw[p]]  # noqa: E731
+    decode = lambda raw, expect: [as_lists(codec.decode(v, expect=expect)) for p in sorted(raw) for _, v in raw[p]]  # noqa: E731
     first = await raw_records(in_namespace(settings, first_ns), "batches")
     replayed = {s["sample_id"]: s for s in samples_of(decode(first, "TrainingBatch"))}
-    expected = reference(decode(await raw_records(settings, "spans"), "Span"), AIR_YAML)
+    expected = as_lists(reference(decode(await raw_records(settings, "spans"), "Span"), AIR_YAML))
     assert set(replayed) == set(expected) and len(replayed) == calls
     for sample_id, sample in replayed.items():
         ref = expected[sample_id]

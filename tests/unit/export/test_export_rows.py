@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from boltstream.export.rows import KINDS, Position, batch_records, layout, record_field_names
 from boltstream.export.writers import STATS_KEY, open_writer, partial_path, read_metadata
+from boltstream.schemas import Codec
 from tests.unit.schemas.record_examples import EXAMPLES
 
 WHERE = Position(partition=2, offset=17, timestamp_ms=1_700_000_000_000, key=b"task-\xff")
@@ -74,3 +76,17 @@ def test_an_aborted_export_leaves_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="unknown kind 'logs'"):
         layout("logs")
+
+
+def test_decoded_records_with_packed_payloads_give_the_same_rows() -> None:
+    """The codec hands back array.array payloads; the export's columns stay plain lists (bools for masks)."""
+    codec = Codec()
+    for kind, record in (("spans", "Span"), ("trajectories", "Trajectory"), ("batches", "TrainingBatch")):
+        decoded = codec.decode(codec.encode(record, EXAMPLES[record]))
+        rows_of = layout(kind)
+        want, got = rows_of.rows(EXAMPLES[record], WHERE), rows_of.rows(decoded, WHERE)
+        assert got == want, kind  # plain lists, not arrays: JSON lines can write them
+        columns = rows_of.columns()
+        rows_of.add(columns, decoded, WHERE)
+        table = pa.table({n: pa.array(v, type=rows_of.schema.field(n).type) for n, v in columns.items()})
+        assert table.to_pylist() == want, kind  # Arrow took the arrays as they are

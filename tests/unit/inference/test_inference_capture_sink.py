@@ -38,8 +38,9 @@ def test_an_oversized_span_is_truncated_with_the_marker_and_keeps_its_token_ids(
     assert got["attributes"][TRUNCATED] is True
     assert "attribute:gen_ai.input.messages" in got["attributes"][TRUNCATED_FIELDS]["strings"]
     assert "gen_ai.input.messages" not in got["attributes"]
-    assert got["llm"]["prompt_token_ids"] == PROMPT_IDS and got["llm"]["response_token_ids"] == RESPONSE_IDS
-    assert got["llm"]["response_logprobs"] == [-0.5] * len(RESPONSE_IDS)
+    assert got["llm"]["prompt_token_ids"].tolist() == PROMPT_IDS
+    assert got["llm"]["response_token_ids"].tolist() == RESPONSE_IDS
+    assert got["llm"]["response_logprobs"].tolist() == [-0.5] * len(RESPONSE_IDS)
 
 
 def test_a_span_that_fits_is_written_as_it_is() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from boltstream.inference.capture import MemorySpanSink
@@ -72,9 +73,11 @@ def test_n_choices_seed_and_logprobs(client: TestClient, sink: MemorySpanSink, t
     assert [s["attributes"]["boltstream.choice_index"] for s in sink.spans[:3]] == [0, 1, 2]
     for choice, span in zip(a["choices"], sink.spans[:3], strict=True):
         _check_span(span, tiny[1], choice["message"]["content"])
-        assert choice["token_ids"] == span["llm"]["response_token_ids"]
-        assert [t["logprob"] for t in choice["logprobs"]["content"]] == span["llm"]["response_logprobs"]
-    assert a["prompt_token_ids"] == sink.spans[0]["llm"]["prompt_token_ids"]
+        assert choice["token_ids"] == span["llm"]["response_token_ids"].tolist()
+        # The span holds float32 logprobs (what the Span record carries), the API float64.
+        assert [t["logprob"] for t in choice["logprobs"]["content"]] == pytest.approx(
+            span["llm"]["response_logprobs"].tolist(), rel=1e-6)
+    assert a["prompt_token_ids"] == sink.spans[0]["llm"]["prompt_token_ids"].tolist()
 
 
 def test_stop_string_cuts_text_but_keeps_sampled_tokens(client: TestClient, sink: MemorySpanSink, tiny, chat) -> None:
@@ -123,7 +126,7 @@ def test_completions_endpoint(client: TestClient, sink: MemorySpanSink, tiny) ->
     choices = r.json()["choices"]
     assert choices[0]["text"] == choices[1]["text"]  # same prompt, greedy
     assert len(choices[0]["logprobs"]["token_logprobs"]) == 5
-    assert [s["llm"]["prompt_token_ids"] for s in sink.spans] == [ids, ids]
+    assert [s["llm"]["prompt_token_ids"].tolist() for s in sink.spans] == [ids, ids]
     assert sink.spans[0]["name"] == "text_completion tiny"
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 5,
                                                          "temperature": 0, "stream": True}) as s:

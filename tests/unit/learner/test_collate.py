@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from boltstream.learner.collate import (
 )
 from boltstream.learner.losses import aggregate_loss, loss_normaliser
 from boltstream.learner.tiny import random_samples
+from boltstream.schemas import Codec
 
 
 def _sample(ids, plen, mask, blp, adv=1.0, **kw):
@@ -82,6 +84,27 @@ def test_sample_problem_reasons(change: dict, reason: str) -> None:
     for temperature in (None, 0.0, 0.7, 2):
         assert sample_problem({**good, "temperature": temperature}, vocab_size=10) is None
     assert sample_problem({**good, **change}, vocab_size=10) == reason
+    # The same sample as the codec decodes it (array.array payloads) gets the same verdict.
+    assert sample_problem(_decoded({**good, **change}), vocab_size=10) == reason
+
+
+def _decoded(sample: dict) -> dict:
+    kinds = {"token_ids": "i", "loss_mask": "B", "behaviour_logprobs": "f"}
+    return {k: array(kinds[k], v) if k in kinds and isinstance(v, list) else v for k, v in sample.items()}
+
+
+def test_collate_builds_the_same_tensors_from_decoded_samples() -> None:
+    """A TrainingBatch through the codec (packed bytes -> array.array) collates exactly like lists."""
+    samples = random_samples(4, vocab_size=50, seed=3)
+    codec = Codec()
+    batch = {"batch_id": "b", "task_id": "t", "samples": samples, "group_size": 4, "num_rollouts": 4,
+             "reward_mean": 0.0, "reward_std": 1.0}
+    decoded = codec.decode(codec.encode("TrainingBatch", batch))["samples"]
+    assert isinstance(decoded[0]["token_ids"], array)
+    want, got = collate(samples), collate(decoded)
+    for name in ("input_ids", "attention_mask", "labels", "loss_mask", "behaviour_logprobs", "advantages"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    assert [sample_problem(s, vocab_size=50) for s in decoded] == [None] * 4
 
 
 def test_split_respects_budget_and_keeps_every_sample_once() -> None:

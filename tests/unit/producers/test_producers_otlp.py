@@ -50,7 +50,7 @@ def test_proto_round_trip_matches_the_sdk_path() -> None:
         assert comparable(a) == comparable(b)
     chat = via_otlp[0]
     assert chat["kind"] == "CLIENT" and chat["status"] == {"code": "ERROR", "message": "bad"}
-    assert chat["llm"]["response_token_ids"] == [1, 2] and chat["llm"]["input_tokens"] == 5
+    assert chat["llm"]["response_token_ids"].tolist() == [1, 2] and chat["llm"]["input_tokens"] == 5
     assert chat["task_id"] == "t7", "task id promoted from the resource"
     assert chat["attributes"]["flags"] == {"bools": [True, False]}
 

@@ -39,7 +39,7 @@ def batch(spans: list[dict[str, Any]], first_offset: int = 0) -> list[Msg]:
 
 async def test_an_oversize_span_is_dead_lettered_whole_and_its_batch_neighbours_are_kept() -> None:
     stage, app = make(RolloutStage, settings=Settings(namespace="u.", max_message_bytes=MAX))
-    huge = big_llm_span("huge", 18_000, "r-big")
+    huge = big_llm_span("huge", 4_500, "r-big")  # packed: 4 bytes per id
     assert MAX - RECORD_HEADROOM < len(enc(huge)) < MAX, "fits the broker but not the stream's state"
     others = rollout_spans("ra", "t1:0", with_root=False) + rollout_spans("rb", "t1:1", with_root=False)
     await stage.on_batch(batch([huge, *others]), 1.0)
@@ -52,7 +52,7 @@ async def test_an_oversize_span_is_dead_lettered_whole_and_its_batch_neighbours_
 
 async def test_items_that_do_not_fit_one_chunk_are_split_and_all_kept() -> None:
     stage, app = make(RolloutStage, settings=Settings(namespace="u.", max_message_bytes=MAX))
-    spans = [big_llm_span(f"s{i}", 7_000, "r1") for i in range(4)]  # ~7 kB each, 28 kB together
+    spans = [big_llm_span(f"s{i}", 1_750, "r1") for i in range(4)]  # ~7 kB each, 28 kB together
     await stage.on_batch(batch(spans, 40), 1.0)
     writes = app.producer.to(ITEMS)
     assert [split_key(s[1])[1][1] for s in writes] == ["@40", "@42"]

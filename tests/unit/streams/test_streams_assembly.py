@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from boltstream.schemas import Codec
@@ -35,9 +37,9 @@ def test_basic_trajectory_orders_calls_and_reads_root() -> None:
     assert [t["span_id"] for t in traj["turns"]] == ["l1", "l2"]
     assert [t["call_index"] for t in traj["turns"]] == [0, 1]
     first = traj["turns"][0]
-    assert first["prompt_token_ids"] == [1, 2]
-    assert first["response_token_ids"] == [3, 4]
-    assert first["response_logprobs"] == [-0.1, -0.2]
+    assert first["prompt_token_ids"] == array("i", [1, 2])  # arrays, as decoded spans hold them
+    assert first["response_token_ids"] == array("i", [3, 4])
+    assert first["response_logprobs"] == array("f", [-0.1, -0.2])
     assert first["policy_version"] == 3
     assert first["model"] == "m"
     assert first["start_time_ns"] == 100
@@ -190,7 +192,7 @@ def test_calls_without_token_ids_are_reported_not_guessed() -> None:
     ]
     lenient = assemble_trajectory(spans, AssemblyConfig(air_rules=(), require_logprobs=False))
     assert [t["span_id"] for t in lenient["turns"]] == ["nolp", "ok"]
-    assert lenient["turns"][0]["response_logprobs"] == []
+    assert lenient["turns"][0]["response_logprobs"] == array("f")
 
 
 def test_dropped_calls_only_for_wanted_agents() -> None:

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from boltstream.schemas.packed import as_lists
 from boltstream.streams import (
     CreditConfig,
     discounted_returns,
@@ -168,7 +169,8 @@ def test_per_call_sample_layout() -> None:
         "t1:0", [turn(0, [1, 2], [3, 4], logprobs=[-0.1, -0.2], agent="coder", temperature=0.7)], rollout_id="r1"
     )
     (sample,) = group_credit([traj]).samples
-    assert sample == {
+    assert sample["behaviour_logprobs"].tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2])  # float32
+    assert as_lists(sample) | {"behaviour_logprobs": []} == {
         "sample_id": "t1:0:0",
         "rollout_id": "r1",
         "attempt_id": "t1:0",
@@ -177,7 +179,7 @@ def test_per_call_sample_layout() -> None:
         "token_ids": [1, 2, 3, 4],
         "prompt_length": 2,
         "loss_mask": [False, False, True, True],
-        "behaviour_logprobs": [0.0, 0.0, -0.1, -0.2],
+        "behaviour_logprobs": [],
         "advantage": 0.0,
         "loss_weight": 1.0,
         "reward": 1.0,
@@ -189,7 +191,7 @@ def test_per_call_sample_layout() -> None:
 
 def test_missing_logprobs_become_zero_when_allowed() -> None:
     traj = trajectory("a", [turn(0, [1], [2, 3], logprobs=[])])
-    assert group_credit([traj]).samples[0]["behaviour_logprobs"] == [0.0, 0.0, 0.0]
+    assert group_credit([traj]).samples[0]["behaviour_logprobs"].tolist() == [0.0, 0.0, 0.0]
 
 
 def test_trajectory_mode_merges_extending_calls_and_masks_inserted_tokens() -> None:
@@ -204,14 +206,14 @@ def test_trajectory_mode_merges_extending_calls_and_masks_inserted_tokens() -> N
     cfg = CreditConfig(trajectory_mode=True, loss_weight="inverse_calls")
     first, second = group_credit([traj], cfg).samples
     assert first["sample_id"] == "a:0"
-    assert first["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert first["token_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert first["prompt_length"] == 2
-    assert first["loss_mask"] == [False, False, True, True, False, False, True, True, True]
-    assert first["behaviour_logprobs"] == [0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, -0.4, -0.5]
+    assert first["loss_mask"].tolist() == [False, False, True, True, False, False, True, True, True]
+    assert first["behaviour_logprobs"].tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, -0.4, -0.5])
     assert first["loss_weight"] == 0.5
     assert second["sample_id"] == "a:3"
-    assert second["token_ids"] == [20, 21, 22]
-    assert second["loss_mask"] == [False, False, True]
+    assert second["token_ids"].tolist() == [20, 21, 22]
+    assert second["loss_mask"].tolist() == [False, False, True]
 
 
 def test_trajectory_mode_uses_the_first_calls_return() -> None:
@@ -243,8 +245,8 @@ def test_trajectory_mode_does_not_merge_across_temperatures() -> None:
     assert merge_turns(turns) == [[0, 1], [2], [3]]
     first, second, third = group_credit([trajectory("a", turns)], CreditConfig(trajectory_mode=True)).samples
     assert (first["temperature"], second["temperature"], third["temperature"]) == (0.7, 1.0, None)
-    assert first["token_ids"] == [1, 2, 3, 4] and first["loss_mask"] == [False, True, False, True]
-    assert second["token_ids"] == [1, 2, 3, 4, 5] and second["prompt_length"] == 4
+    assert first["token_ids"].tolist() == [1, 2, 3, 4] and first["loss_mask"].tolist() == [False, True, False, True]
+    assert second["token_ids"].tolist() == [1, 2, 3, 4, 5] and second["prompt_length"] == 4
 
 
 def test_group_credit_counts_a_repeated_attempt_once() -> None:

@@ -27,7 +27,7 @@ def spans(final: float = 1.0, step: float = -0.5, logprobs: list[float] | None =
 
 def test_a_clean_rollout_passes_and_zero_logprobs_are_allowed() -> None:
     trajectory = assemble_trajectory(spans())
-    assert trajectory["final_reward"] == 1.0 and trajectory["turns"][0]["response_logprobs"] == [-0.5, 0.0]
+    assert trajectory["final_reward"] == 1.0 and trajectory["turns"][0]["response_logprobs"].tolist() == [-0.5, 0.0]
     assert trajectory["turns"][0]["rewards"][0]["value"] == -0.5
     assert trajectory_problems(trajectory) == [] and span_problems(spans()) == []
 
@@ -40,7 +40,7 @@ def test_a_clean_rollout_passes_and_zero_logprobs_are_allowed() -> None:
         ({"step": NAN}, "span st: reward 'reward' is nan"),
         ({"logprobs": [-0.1, NAN]}, "turn 0 (span a1): response_logprobs[1] = nan (must be finite and <= 0)"),
         ({"logprobs": [-INF, -0.1]}, "response_logprobs[0] = -inf"),
-        ({"logprobs": [-0.1, 1e-9]}, "response_logprobs[1] = 1e-09"),
+        ({"logprobs": [-0.1, 1e-9]}, "response_logprobs[1] = 9.99999971718"),  # as float32, as recorded
         ({"call": (30, 20)}, "span a1: ends before it starts (start 30, end 20)"),
         ({"call": (-5, 20)}, "span a1: negative time (start -5, end 20)"),
         ({"root": (100, 0)}, "span root: ends before it starts (start 100, end 0)"),
