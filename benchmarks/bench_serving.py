@@ -106,6 +106,14 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "rounds": rounds}
 
 
+def worker_env(settings: Any, folder: str) -> dict[str, str]:
+    """This process's environment pointed at ``settings``' stack only (no BOLTSTREAM_* of the caller's,
+    no state file of a user's own stack)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
+    env.update(settings_env(settings), BOLTSTREAM_STATE_FILE=str(Path(folder) / "none.json"))
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -117,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as d, embedded_stack(d) as settings:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
-        env.update(settings_env(settings), BOLTSTREAM_STATE_FILE=str(Path(d) / "none.json"))
+        env = worker_env(settings, d)
         with WorkerProcess(["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients)],
                            env=env, log_path=Path(d) / "worker.log") as worker:
             assert worker.url is not None

@@ -33,13 +33,13 @@ from typing import Any
 import httpx
 from aiokafka import AIOKafkaProducer
 from bench_reload import lora_checkpoints
-from bench_serving import concurrent, requests, summarise
+from bench_serving import concurrent, requests, summarise, worker_env
 
 from boltstream import s3
 from boltstream.inference.launch import WorkerProcess
 from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
-from boltstream.stack import embedded_stack, settings_env
+from boltstream.stack import embedded_stack
 from boltstream.weights.checkpoints import announce_checkpoint, publish_checkpoint
 from boltstream.weights.models import model_dir
 
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-adapters-") as d, embedded_stack(d) as settings:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
-        env.update(settings_env(settings), BOLTSTREAM_STATE_FILE=str(Path(d) / "none.json"))
+        env = worker_env(settings, d)
         common = ["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients)]
         asyncio.run(publish_adapters(settings, args.model, Path(d)))
         with WorkerProcess([*common, "--adapters", ADAPTERS[0]], env=env, log_path=Path(d) / "one.log") as w1, \

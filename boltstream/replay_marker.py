@@ -1,7 +1,7 @@
 """A replay's "done" record: how a reader tells a finished replay from a running or killed one.
 
 ``boltstream replay`` creates ``<namespace>replay`` empty with its other output topics and
-writes one ``ReplayDone`` record to it last, after the broker acknowledged every trajectory,
+writes the ``ReplayDone`` record of :func:`done_record` to it last (partition 0), after the broker acknowledged every trajectory,
 batch and dead letter. ``--overwrite`` recreates the topic, so a re-run's namespace holds no
 marker until the re-run finishes. A killed replay leaves output with no marker, which a reader
 could not otherwise tell from a complete one.
@@ -14,20 +14,14 @@ Kept out of ``streams`` so that the learner can read it without importing the st
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
-from boltstream.kafka import producer_kwargs
 from boltstream.log_range import LogRange, LogRangeError, parse_position, read_range, resolve
 from boltstream.schemas import Codec
-
-log = logging.getLogger(__name__)
 
 TOPIC = "replay"  # short name, in the replay's namespace
 RECORD = "ReplayDone"
@@ -51,17 +45,6 @@ def done_record(namespace: str, source: LogRange, outputs: Mapping[tuple[str, in
         "counts": {k: int(v) for k, v in counts.items()},
         "finished_ns": time.time_ns(),
     }
-
-
-async def write_done(settings: Settings, record: Mapping[str, Any], codec: Codec) -> None:
-    """Append the marker to ``<namespace>replay`` and wait for the broker's acknowledgement."""
-    topic = settings.topic(TOPIC)
-    producer = AIOKafkaProducer(**producer_kwargs(settings))
-    await producer.start()
-    try:
-        await producer.send_and_wait(topic, codec.encode(RECORD, dict(record), topic=topic), partition=0)
-    finally:
-        await producer.stop()
 
 
 def namespace_of(batches_topic: str) -> str | None:

@@ -151,15 +151,17 @@ async def run(config: ReplayConfig, timeout: float = TIMEOUT_S) -> dict[str, Any
         await engine.finish()
         await output.settle(timeout)
         elapsed = time.perf_counter() - started
+        counters = engine.counters()
         written = [TopicPartition(out.topic(t), p) for t in OUTPUTS if t != replay_marker.TOPIC
                    for p in sorted(await producer.partitions_for(out.topic(t)))]
+        ends = await log_end_offsets(out, written)
+        done = replay_marker.done_record(out.namespace, log_range, {(tp.topic, tp.partition): e
+                                                                   for tp, e in ends.items()},
+                                         stage_settings(stages), counters)
+        marker = out.topic(replay_marker.TOPIC)  # last: only a replay that got here has one
+        await producer.send_and_wait(marker, codec.encode(replay_marker.RECORD, done, topic=marker), partition=0)
     finally:
         await producer.stop()
-    counters = engine.counters()
-    ends = await log_end_offsets(out, written)
-    done = replay_marker.done_record(out.namespace, log_range, {(tp.topic, tp.partition): e for tp, e in ends.items()},
-                                     stage_settings(stages), counters)
-    await replay_marker.write_done(out, done, codec)  # last: only a replay that got here has one
     return {
         "range": log_range.describe(),
         "namespace": out.namespace,

@@ -130,6 +130,20 @@ class TopicReader:
                 raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
             await self.poll()
 
+    async def until_samples(self, expected: Iterable[str], timeout: float, log_tail: Callable[[], str]) -> None:
+        """Poll a batches topic until every ``expected`` sample id arrived; fail naming the missing ones
+        and showing ``log_tail()`` (the worker's log) after ``timeout`` seconds."""
+        want = set(expected)
+
+        def missing() -> set[str]:
+            return want - {s["sample_id"] for s in samples_of(self.records)}
+
+        try:
+            await self.until(lambda: not missing(), timeout, f"{len(want)} samples")
+        except AssertionError:
+            gone = sorted(missing())
+            raise AssertionError(f"missing {len(gone)}: {gone[:10]}; worker log:\n{log_tail()}") from None
+
     async def quiet(self, idle: float, timeout: float) -> None:
         """Poll until nothing new arrived for ``idle`` seconds (or ``timeout``): late duplicates included."""
         deadline = time.monotonic() + timeout

@@ -73,13 +73,7 @@ async def test_oversize_span_is_dead_lettered_and_no_span_of_its_batch_is_lost_a
     restarted = start_worker(app_id, "--group-size", str(GROUP), **env)
     await _produce_to_partition_0(settings, roots)
     async with TopicReader(settings, settings.topic("batches"), "TrainingBatch") as batches:
-        def seen() -> set[str]:
-            return {s["sample_id"] for s in samples_of(batches.records)}
-
-        try:
-            await batches.until(lambda: seen() >= set(expected), 60, f"{len(expected)} samples")
-        except AssertionError:
-            raise AssertionError(f"missing {sorted(set(expected) - seen())}:\n{restarted.log_tail()}") from None
+        await batches.until_samples(expected, 60, restarted.log_tail)
     for sample in samples_of(batches.records):
         assert sample["token_ids"] == expected[sample["sample_id"]]["token_ids"]
         assert abs(sample["reward"] - expected[sample["sample_id"]]["reward"]) <= 1e-9, "every reward span is there"

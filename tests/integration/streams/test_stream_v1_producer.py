@@ -49,13 +49,7 @@ async def test_v1_spans_and_today_s_spans_yield_the_expected_samples(settings: S
     await produce(settings, topic, records)
     worker = start_worker(app_id, "--group-size", str(GROUP))
     async with TopicReader(settings, settings.topic("batches"), "TrainingBatch") as reader:
-        def seen() -> set[str]:
-            return {s["sample_id"] for s in samples_of(reader.records)}
-
-        try:
-            await reader.until(lambda: seen() >= set(expected), 90, f"{len(expected)} samples")
-        except AssertionError:
-            raise AssertionError(f"missing {len(set(expected) - seen())}; worker log:\n{worker.log_tail()}") from None
+        await reader.until_samples(expected, 90, worker.log_tail)
 
     samples = samples_of(reader.records)
     assert sorted(s["sample_id"] for s in samples) == sorted(expected)
