@@ -16,6 +16,7 @@ trace id (``records.rollout_key``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -78,8 +79,15 @@ def _clip(text: str) -> str:
 
 
 def default_resource(model_name: str) -> dict[str, Any]:
+    """One dict per served name and process, shared by its spans and never mutated: the span encoder
+    caches a resource's bytes by the dict's identity (a fresh dict per call was re-encoded each time)."""
+    return _resource(model_name, os.getpid())
+
+
+@functools.lru_cache(maxsize=16)
+def _resource(model_name: str, pid: int) -> dict[str, Any]:
     return {"service.name": "boltstream-inference", "host.name": socket.gethostname(),
-            "process.pid": os.getpid(), "boltstream.model": model_name}
+            "process.pid": pid, "boltstream.model": model_name}
 
 
 def build_llm_span(
@@ -152,7 +160,7 @@ def build_llm_span(
         "status": {"code": "OK", "message": None},
         "attributes": attrs,
         "events": [],
-        "resource": dict(resource or default_resource(served_model)),
+        "resource": resource if resource is not None else default_resource(served_model),
         "scope": {"name": SCOPE, "version": None},
         "rollout_id": ctx.ids.get(ROLLOUT_ID),
         "attempt_id": ctx.ids.get(ATTEMPT_ID),

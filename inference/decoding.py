@@ -15,6 +15,7 @@ and masks to a common length and concatenates them along the batch.
 from __future__ import annotations
 
 import secrets
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,10 @@ class Row:
     request: Any
     choice: int
     generator: Any
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    # int32 / float32 arrays: appending costs what a list append does, and the LLM span takes them as
+    # its packed payload without a conversion (inference/capture.py)
+    ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
     finish: str | None = None
     stop_string: str | None = None
 
@@ -70,8 +73,8 @@ def prefill(model: Any, rows: list[Row], pad_id: int, device: Any) -> DecodeStat
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        p = r.request.prompt_ids
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        p = r.request.prompt_ids  # an int32 array (the backend's request): wrapped, not copied
+        ids[i, width - len(p):] = torch.frombuffer(p, dtype=torch.int32) if isinstance(p, array) else torch.tensor(p)
         mask[i, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -182,7 +182,8 @@ class CompletionService:
         out["choices"] = [self._choice(req, k, c) for k, c in enumerate(completions)]
         out["usage"] = P.usage(sum(len(g.prompt_token_ids) for g in gens), sum(len(c.token_ids) for c in completions))
         if req.return_token_ids:
-            out["prompt_token_ids"] = gens[0].prompt_token_ids if len(gens) == 1 else [g.prompt_token_ids for g in gens]
+            out["prompt_token_ids"] = (list(gens[0].prompt_token_ids) if len(gens) == 1
+                                      else [list(g.prompt_token_ids) for g in gens])
         self._account(req, gens, t0)
         return out
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from array import array
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from boltstream.inference.backend import (
     cut_at_stop,
 )
 from boltstream.inference.weights import Policy, WeightSwapping
+from boltstream.schemas.packed import I32, as_array
 from boltstream.weights.models import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
-    prompt_ids: list[int]
+    prompt_ids: array  # int32: prefill wraps it, the LLM span packs it without a conversion
     params: SamplingParams
     on_token: TokenCallback | None
     future: asyncio.Future[Generation]
@@ -143,7 +145,7 @@ class TransformersBackend(WeightSwapping):
             raise RuntimeError("backend not started")
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         with self._lock:
-            self._pending.append(_Request(list(prompt_ids), params, on_token, future, params.n, key))
+            self._pending.append(_Request(as_array(prompt_ids, I32), params, on_token, future, params.n, key))
         self._wakeup.set()
         return await future
 

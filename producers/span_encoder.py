@@ -201,6 +201,7 @@ class FastSpanEncoder:
         # and the record's tail (resource + scope + promoted ids: one per rollout).
         self._keys: dict[str, bytes] = {}
         self._str_keys: dict[str, bytes] = {}
+        self._scalars: dict[tuple[str, type, Any], bytes] = {}  # (name, type, number or None) -> key + value
         self._strings: dict[str, bytes] = {}
         self._status: dict[str, bytes] = {}
         self._tails: dict[tuple[Any, ...], tuple[Mapping[str, Any], bytes]] = {}
@@ -245,7 +246,7 @@ class FastSpanEncoder:
             w(b"\x00")
             return
         w(_long(len(m)))
-        str_keys, table = self._str_keys, _LEN
+        str_keys, scalars, table = self._str_keys, self._scalars, _LEN
         for k, v in m.items():
             t = type(v)
             if t is str:  # the common case: key and branch in one cached piece
@@ -258,20 +259,20 @@ class FastSpanEncoder:
                 w(table[n] if n < _SMALL else _varint(n))
                 w(b)
                 continue
-            w(self._key(k))
-            if t is bool:
-                w(self._bool)
-                w(b"\x01" if v else b"\x00")
-            elif t is int:
-                w(self._long)
-                w(_long(v))
-            elif t is float:
-                w(self._double)
-                w(_pack_d(v))
-            elif v is None:
-                w(self._null)
-            else:
+            if t is dict:
+                w(self._key(k))
                 self._array(v, w)
+                continue
+            pair = (k, t, v)  # the type too: True == 1 == 1.0 share a hash
+            kv = scalars.get(pair)
+            if kv is None:  # a number seen under this name before (settings, counts) costs one lookup
+                kv = self._key(k) + (self._null if v is None else self._bool + (b"\x01" if v else b"\x00")
+                                     if t is bool else self._long + _long(v) if t is int
+                                     else self._double + _pack_d(v))
+                if len(scalars) > 50_000:
+                    scalars.clear()
+                scalars[pair] = kv
+            w(kv)
         w(b"\x00")
 
     def _array(self, v: Mapping[str, list[Any]], w: Callable[[bytes], Any]) -> None:

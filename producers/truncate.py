@@ -88,8 +88,14 @@ def cap_attributes(record: dict[str, Any], limit: int) -> tuple[dict[str, Any], 
     if limit <= 0:
         return record, []
     attributes = record.get("attributes") or {}
-    cuts = {k: c for k, v in attributes.items() if k not in (TRUNCATED, TRUNCATED_FIELDS)
-            and (c := _cut(v, limit)) is not None}
+    short = limit // 4  # a string this short fits whatever its characters (UTF-8: at most 4 bytes each)
+    cuts = {}
+    for k, v in attributes.items():  # the common case (numbers, short strings) costs a type check
+        t = type(v)
+        if (t is str and len(v) <= short) or (t is not str and t is not dict):
+            continue
+        if k not in (TRUNCATED, TRUNCATED_FIELDS) and (c := _cut(v, limit)) is not None:
+            cuts[k] = c
     if not cuts:
         return record, []
     removed = [f"cut:attribute:{k}" for k in cuts]

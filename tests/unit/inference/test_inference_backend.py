@@ -29,7 +29,7 @@ async def _started(backend: TransformersBackend) -> TransformersBackend:
 
 def _reference_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     """What a learner computes: log_softmax(logits / T) of each response token given its prefix."""
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
@@ -72,7 +72,7 @@ async def test_concurrent_requests_share_batches() -> None:
 async def _greedy(backend: TransformersBackend, n_tokens: int = 20) -> list[int]:
     ids = (await backend.generate(PROMPT, SamplingParams(0.0, 1.0, n_tokens))).completions[0].token_ids
     assert len(ids) == n_tokens  # a comparison of two early stops would prove nothing
-    return ids
+    return ids.tolist()
 
 
 async def test_full_reload_keeps_in_flight_requests_on_the_old_version(tmp_path: Path) -> None:
@@ -90,9 +90,9 @@ async def test_full_reload_keeps_in_flight_requests_on_the_old_version(tmp_path:
         await backend.load_weights(tmp_path / "v1", "full", 1)
         assert backend.policy_version == 1
         old = await long
-        assert old.policy_version == 0 and old.completions[0].token_ids[:20] == expected_v0
+        assert old.policy_version == 0 and old.completions[0].token_ids[:20].tolist() == expected_v0
         new = await backend.generate(PROMPT, SamplingParams(0.0, 1.0, 20))
-        assert new.policy_version == 1 and new.completions[0].token_ids == expected_v1 != expected_v0
+        assert new.policy_version == 1 and new.completions[0].token_ids.tolist() == expected_v1 != expected_v0
     finally:
         await backend.stop()
 
@@ -158,7 +158,7 @@ async def test_lora_adapters_swap_between_batches(tmp_path: Path) -> None:
             await backend.load_weights(_adapter(0, seed, tmp_path / f"a{version}", r=rank), "lora", version)
             gen = await backend.generate(PROMPT, SamplingParams(0.0, 1.0, 20))
             assert gen.policy_version == version
-            outputs.append(gen.completions[0].token_ids)
+            outputs.append(gen.completions[0].token_ids.tolist())
             assert len(backend._peft.peft_config) <= 2  # two alternating slots, never more
         assert len({tuple(o) for o in outputs} | {tuple(base)}) == 7
         reference = _fresh(0)  # every slot reuse / rebuild gives what a fresh load of that adapter gives
@@ -181,7 +181,7 @@ async def test_lora_in_flight_batch_finishes_on_its_adapter(tmp_path: Path) -> N
         await started.wait()
         await backend.load_weights(_adapter(0, 2, tmp_path / "a2"), "lora", 2)
         old = await long
-        assert old.policy_version == 1 and old.completions[0].token_ids[:20] == expected_v1
+        assert old.policy_version == 1 and old.completions[0].token_ids[:20].tolist() == expected_v1
         assert (await _greedy(backend)) != expected_v1
     finally:
         await backend.stop()
