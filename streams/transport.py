@@ -143,6 +143,8 @@ BatchHandler = Callable[[list[Any]], Awaitable[None]]
 class BatchDrainConsumer(TunedConsumer):
     """Delivers each fetch to the topics' batch handlers (see the module docstring)."""
 
+    _announced: int | None = None  # the consumer generation whose first hand-over was logged
+
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs inside faust
         handlers: dict[str, BatchHandler] = self.app.batch_handlers
         consumer_should_stop = self._stopped.is_set
@@ -225,6 +227,9 @@ class BatchDrainConsumer(TunedConsumer):
                 for message in messages:
                     undelivered.setdefault(message.tp, message.offset)
                 continue
+            if self._announced != generation:  # when consuming began after a (re)assignment: for operators
+                self._announced = generation
+                log.info("consumer generation %s: first %d record(s) of %s handed over", generation, len(messages), topic)
             await self._hand_over(handlers[topic], topic, messages)
         if undelivered:
             await self._rewind(undelivered)
