@@ -31,7 +31,8 @@ from boltstream.schemas.records import AGENT_NAME
 
 HEADER_ADAPTER = "X-Boltstream-Adapter"
 AGENT_NAME_KEYS = (AGENT_NAME, "gen_ai.agent.name")  # baggage entries naming the calling agent
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # also a valid torch module key (no dots)
+# Adapter (and learner role) names: also a valid torch module key (no dots).
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _BAGGAGE = W3CBaggagePropagator()
 
 
@@ -54,7 +55,7 @@ def parse_adapters(specs: Sequence[str], agent_rules: Sequence[str] = ()) -> tup
     out: dict[str, tuple[str, str]] = {}
     for item in specs:
         name, _, model = (s.strip() for s in item.partition("="))
-        if not _NAME.match(name):
+        if not ADAPTER_NAME.match(name):
             raise ConfigError("adapters", item, "adapter names are 1-64 of A-Z a-z 0-9 _ - (not starting with _ -)")
         if name in out:
             raise ConfigError("adapters", item, f"adapter {name!r} is named twice")

@@ -21,6 +21,7 @@ from boltstream.log_range import LogRangeError, parse_position
 
 from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
 from .offline_source import TOPIC_PREFIX, parquet_files
+from .roles import Role, parse_role
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,12 @@ class LearnerConfig:
     step: StepConfig = dataclasses.field(default_factory=StepConfig)
     # --- model
     model: str = opt("smollm2", "smollm2 | tiny | an HF model directory | a .gguf file")
-    model_name: str | None = opt(None, "model name in checkpoint events (default: derived from --model, as "
-                                       "`serve` does)")
+    model_name: str | None = opt(None, "model name in checkpoint events (default: the --role name, else derived "
+                                       "from --model, as `serve` does)")
+    # One learner process per trained role (learner/roles.py, docs/multi-agent.md).
+    role: str | None = opt(None, "NAME[=REGEX]: train only samples whose agent_name matches REGEX (re.search; "
+                                 "default ^NAME$), publishing as model NAME (a worker's --adapters NAME follows "
+                                 "it); the other samples are skipped as other_role")
     seed: int = opt(0, "seed of the tiny model's weights, the LoRA init and the torch RNG")
     device: str = opt("cpu", "torch device")
     dtype: str | None = opt(None, "torch dtype of the weights, e.g. bfloat16 (default: the checkpoint's)")
@@ -192,6 +197,8 @@ class LearnerConfig:
             if self.lora:
                 raise ConfigError("publish_dtype", self.publish_dtype,
                                   "applies to full checkpoints; LoRA adapters are published as trained")
+        if self.role is not None:
+            parse_role(self.role)
         if self.run is not None and not self.run.strip("/"):
             raise ConfigError("run", self.run, "must not be empty")
         if self.epochs < 1:
@@ -216,15 +223,25 @@ class LearnerConfig:
         """The model name checkpoint events carry (what ``boltstream serve`` follows by default)."""
         if self.model_name:
             return self.model_name
+        if self.role is not None:
+            return parse_role(self.role).name
         p = Path(self.model)
         return self.model if len(p.parts) == 1 and not p.suffix else p.stem
 
     @property
     def run_name(self) -> str:
-        """S3 prefix of this run: ``<bucket>/<run>/v<version>/`` holds each version."""
+        """S3 prefix of this run: ``<bucket>/<run>/v<version>/`` holds each version.
+
+        Per model name, so role learners on one bucket (model names NAME by default, distinct as a
+        worker's adapters require) never share manifests or resume state."""
         if self.run:
             return self.run.strip("/")
         return f"{self.settings.namespace.rstrip('.') or 'boltstream'}/{self.name}"
+
+    @property
+    def role_spec(self) -> Role | None:
+        """The parsed ``role`` (None: train every sample)."""
+        return None if self.role is None else parse_role(self.role)
 
     @property
     def kind(self) -> str:

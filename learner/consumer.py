@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .collate import sample_problem
+from .roles import OTHER_ROLE, Role
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +168,17 @@ class GroupAssembler:
 
     Every record handed to :meth:`add` ends up either in a group (used when its step is
     :meth:`commit`-ted, or when all its samples are dropped) or dropped with a reason in
-    :attr:`dropped`. Nothing is discarded silently.
+    :attr:`dropped`. Nothing is discarded silently. With a ``role`` only that role's samples
+    are trained; a group with none of them is used up without a step.
     """
 
     def __init__(self, tracker: OffsetTracker | None = None, *, max_pending: int = 1000,
-                 seen: Iterable[str] = (), window: int = 100_000, drop_incomplete: bool = False) -> None:
+                 seen: Iterable[str] = (), window: int = 100_000, drop_incomplete: bool = False,
+                 role: Role | None = None) -> None:
         self.tracker = tracker or OffsetTracker()
         self.max_pending = max_pending
         self.drop_incomplete = drop_incomplete
+        self.role = role
         self.seen = IdWindow(window, seen)  # "b:<batch_id>" and "s:<sample_id>" of used groups/samples
         self.dropped: Counter[str] = Counter()  # cumulative, by reason (records and samples)
         self.ready: deque[Group] = deque()
@@ -248,7 +252,7 @@ class GroupAssembler:
         staleness: Counter[str] = Counter()
         dropped: Counter[str] = Counter()
         for s in group.samples:
-            problem = sample_problem(s, vocab_size)
+            problem = OTHER_ROLE if self.role is not None and not self.role.trains(s) else sample_problem(s, vocab_size)
             sid = str(s.get("sample_id"))
             sample_version = int(s.get("policy_version", -1)) if problem is None else -1
             if problem is None and (f"s:{sid}" in self.seen or sid in taken):

@@ -132,7 +132,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     # the checkpoint's offsets, which a new run set to the live log end of its first start (above).
     tracker = OffsetTracker(state.offsets, state.used_above)
     assembler = GroupAssembler(tracker, max_pending=cfg.max_pending_batches, seen=state.seen,
-                               window=cfg.dedupe_window, drop_incomplete=cfg.drop_incomplete_groups)
+                               window=cfg.dedupe_window, drop_incomplete=cfg.drop_incomplete_groups,
+                               role=cfg.role_spec)
     assembler.dropped.update(state.dropped)
     producer = AIOKafkaProducer(**producer_kwargs(settings))
     codec = Codec.from_registry_url(settings.schema_registry_url)

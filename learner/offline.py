@@ -181,7 +181,7 @@ class OfflineData:
             self.tracker.start(partition, start)
         self.assembler = GroupAssembler(self.tracker, max_pending=self.cfg.max_pending_batches,
                                         seen=resume.get("seen", ()), window=self.cfg.dedupe_window,
-                                        drop_incomplete=self.cfg.drop_incomplete_groups)
+                                        drop_incomplete=self.cfg.drop_incomplete_groups, role=self.cfg.role_spec)
         self.assembler.dropped = self.dropped  # one cumulative count across epochs and the live phase
         self._reader: AsyncIterator[list[Item]] | None = None
         self._exhausted = False

@@ -25,6 +25,7 @@ from boltstream.config import Settings, load, to_argv
 from boltstream.errors import BoltstreamError
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
+from boltstream.learner.roles import Role, parse_role
 from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
 
@@ -71,6 +72,10 @@ class PipelineConfig:
     # ``opentelemetry-instrument`` with env vars only, no tasks topic, no runner). ``{base_url}``
     # in it is replaced by the worker's URL.
     agent_program: tuple[str, ...] = ()
+    # One LoRA adapter per role (docs/multi-agent.md), NAME[=REGEX] over agent names: each trained role gets
+    # a learner of its own (`learn --role`); a frozen role only an adapter, which stays at the base weights.
+    roles: tuple[str, ...] = ()
+    frozen_roles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("group_size", "steps", "runner_workers", "eval_samples"):
@@ -80,8 +85,33 @@ class PipelineConfig:
         for name in ("train", "test"):
             if not Path(getattr(self, name)).is_file():
                 raise BoltstreamError(f"--{name}: no such file {getattr(self, name)}")
+        trained, frozen = self.role_specs()
+        names = [r.name for r in (*trained, *frozen)]
+        if len(set(names)) != len(names):
+            raise BoltstreamError(f"--roles / --frozen-roles: a role is named twice ({', '.join(names)})")
+        if frozen and not trained:
+            raise BoltstreamError("--frozen-roles needs --roles: with no trained role nothing would learn")
+        if trained and self.stream.get("agent_match") is not None:
+            raise BoltstreamError("--agent-match with --roles: the stream app trains the agents of the --roles")
+        if trained and not self.lora:
+            raise BoltstreamError("--roles trains one LoRA adapter per role: not with --full")
         self.stream_config()  # a typo or a bad value fails here, not in a child process
-        self.learner_config()
+        self.learner_configs()
+
+    def role_specs(self) -> tuple[tuple[Role, ...], tuple[Role, ...]]:
+        """(trained, frozen) roles, parsed; a bad item raises ConfigError naming it."""
+        return tuple(parse_role(r) for r in self.roles), tuple(parse_role(r) for r in self.frozen_roles)
+
+    def learner_names(self) -> list[str]:
+        """The learner processes of the run: ``learner``, or ``learner-<role>`` per trained role."""
+        return [f"learner-{r.name}" for r in self.role_specs()[0]] or ["learner"]
+
+    def metrics_paths(self, metrics_path: Path) -> dict[str, Path]:
+        """Each learner's metrics file: ``metrics_path`` itself, or ``<stem>-<role><suffix>`` per role."""
+        if not self.roles:
+            return {"learner": metrics_path}
+        return {f"learner-{r.name}": metrics_path.with_name(f"{metrics_path.stem}-{r.name}{metrics_path.suffix}")
+                for r in self.role_specs()[0]}
 
     def argv(self, *, port: int = 8000, base_url: str = "http://127.0.0.1:8000/v1",
              metrics_path: Path | None = None) -> dict[str, list[str]]:
@@ -94,15 +124,31 @@ class PipelineConfig:
         group = ["--group-size", str(self.group_size)] if self.group_size else []
         lora = ["--lora"] if self.lora else ["--no-lora"]
         pacing = ["--tasks-per-version", str(self.tasks_per_version)] if self.tasks_per_version else []
-        metrics = ["--metrics-path", str(metrics_path)] if metrics_path else []
+        trained, frozen = self.role_specs()
+        stream = dict(self.stream)
+        adapters: list[str] = []
+        if trained:  # the worker serves every role's adapter; the stream app keeps the trained roles' calls
+            every = (*trained, *frozen)
+            adapters = ["--adapters", ",".join(r.name for r in every),
+                        "--adapter-agents", ",".join(f"{r.name}={r.agents.pattern}" for r in every)]
+            stream["agent_match"] = "|".join(f"(?:{r.agents.pattern})" for r in trained)
+        paths = self.metrics_paths(metrics_path) if metrics_path else {}
+
+        def learner(name: str, *role: str) -> list[str]:
+            metrics = ["--metrics-path", str(paths[name])] if name in paths else []
+            return ["learn", "--model", self.model, *role, "--max-steps", str(self.steps), "--checkpoint-every", "1",
+                    *metrics, *lora, *to_argv(LearnerConfig, self.learner)]
+
+        learners = ({f"learner-{r.name}": learner(f"learner-{r.name}", "--role", f"{r.name}={r.agents.pattern}")
+                     for r in trained} if trained else
+                    {"learner": learner("learner", "--model-name", MODEL_NAME)})
         # Each run spools in its own folder: a user-wide spool would replay another run's spans into
         # this run's broker (the embedded stack is new every run).
         return {
             "worker": ["serve", "--model", self.model, "--served-model-name", MODEL_NAME, "--port", str(port),
-                       "--spool-dir", str(self.out / "spool" / "worker"), *lora],
-            "stream": ["stream", "worker", *group, *to_argv(StreamConfig, self.stream)],
-            "learner": ["learn", "--model", self.model, "--model-name", MODEL_NAME, "--max-steps", str(self.steps),
-                        "--checkpoint-every", "1", *metrics, *lora, *to_argv(LearnerConfig, self.learner)],
+                       "--spool-dir", str(self.out / "spool" / "worker"), *lora, *adapters],
+            "stream": ["stream", "worker", *group, *to_argv(StreamConfig, stream)],
+            **learners,
             "tasks": ["tasks", "publish", str(self.train), "--split", "train", *group],
             "runner": ["runner", "--agent", self.agent, "--workers", str(self.runner_workers), *group,
                        "--base-url", base_url, "--spool-dir", str(self.out / "spool" / "runner"), *pacing],
@@ -114,10 +160,15 @@ class PipelineConfig:
         return load(StreamConfig, _parsed(stream_parser(), self.argv()["stream"][1:]), env={},
                     state_file=os.devnull)
 
+    def learner_configs(self) -> dict[str, LearnerConfig]:
+        """What each learner of this run runs with (broker settings aside), by process name."""
+        argv = self.argv()
+        return {name: load(LearnerConfig, _parsed(learner_parser(), argv[name][1:]), env={}, state_file=os.devnull)
+                for name in self.learner_names()}
+
     def learner_config(self) -> LearnerConfig:
-        """What the learner of this run runs with (broker settings aside)."""
-        return load(LearnerConfig, _parsed(learner_parser(), self.argv()["learner"][1:]), env={},
-                    state_file=os.devnull)
+        """What the (first) learner of this run runs with."""
+        return next(iter(self.learner_configs().values()))
 
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
@@ -135,11 +186,13 @@ def http_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
         return None
 
 
-def worker_version(port: int) -> int | None:
+def worker_version(port: int, adapter: str | None = None) -> int | None:
+    """The policy version the worker serves (of one ``adapter``); None while it does not answer."""
     health = http_json(f"http://127.0.0.1:{port}/health")
     if not health:
         return None
-    v = health.get("policy_version")
+    v = health.get("policy_version") if adapter is None else health.get("adapters", {}).get(adapter, {}).get(
+        "policy_version")
     return int(v) if v is not None else None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -61,10 +62,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--tasks-per-version", type=int, default=None,
       help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
+    a("--roles", type=_items, default=None, metavar="NAME[=REGEX],...",
+      help="one LoRA adapter and one learner per role, training the calls of the agents REGEX matches (default "
+           "^NAME$); the worker serves every role's adapter, the stream app keeps these roles' calls "
+           "(instead of --agent-match)")
+    a("--frozen-roles", type=_items, default=None, metavar="NAME[=REGEX],...",
+      help="with --roles: roles that get an adapter but are never trained (it stays at the base weights)")
     flags_from_dataclass(p.add_argument_group("learner settings (boltstream learn)"), LearnerConfig,
                          only=LEARNER_SETTINGS)
     flags_from_dataclass(p.add_argument_group("stream app settings (boltstream stream worker)"), StreamConfig,
                          only=STREAM_SETTINGS)
+
+
+def _items(text: str) -> tuple[str, ...]:
+    return tuple(i.strip() for i in text.split(",") if i.strip())
 
 
 def config_from_args(args: argparse.Namespace, default_out: Path, **given: Any) -> PipelineConfig:
@@ -72,7 +83,8 @@ def config_from_args(args: argparse.Namespace, default_out: Path, **given: Any) 
     run_level = {"out": args.out or default_out, "model": args.model, "steps": args.steps,
                  "time_budget_s": args.time_budget, "group_size": args.group_size,
                  "eval_samples": args.eval_samples, "eval_tasks": args.eval_tasks,
-                 "tasks_per_version": args.tasks_per_version, "lora": False if args.full else None}
+                 "tasks_per_version": args.tasks_per_version, "lora": False if args.full else None,
+                 "roles": args.roles, "frozen_roles": args.frozen_roles}
     learner = {**given.pop("learner", {}), **_given(args, LEARNER_SETTINGS)}
     stream = {**given.pop("stream", {}), **_given(args, STREAM_SETTINGS)}
     kwargs = {k: v for k, v in {**run_level, **given}.items() if v is not None}
@@ -106,7 +118,10 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    metrics = cfg.metrics_paths(metrics_path)  # learner process -> its metrics file (one per trained role)
+    for path in metrics.values():
+        path.unlink(missing_ok=True)
+    roles = {name: name.removeprefix("learner-") for name in metrics} if cfg.roles else {}
     agent_fn = _agent_callable(cfg.agent)
     test_tasks = load_tasks(cfg.test, cfg.eval_tasks)
     stream_cfg = cfg.stream_config()
@@ -116,8 +131,11 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
         "settings": {k: str(v) for k, v in vars(cfg).items()},
         "stream": {"group_size": group_size, "agent_match": stream_cfg.agent_match,
                    "air_rules_file": stream_cfg.air_rules_file, **dataclasses.asdict(stream_cfg.credit)},
-        "learner": cfg.learner_config().to_dict(),
+        "learner": cfg.learner_config().to_dict() if not roles else
+        {roles[name]: c.to_dict() for name, c in cfg.learner_configs().items()},
     }
+    if roles:
+        summary["frozen_roles"] = [r.name for r in cfg.role_specs()[1]]
 
     if not external:  # a new embedded stack: spans spooled for an earlier run's broker mean nothing here
         shutil.rmtree(out / "spool", ignore_errors=True)
@@ -138,7 +156,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
 
             train_started = time.monotonic()
-            for name in ("stream", "learner"):
+            for name in ("stream", *metrics):
                 procs.start(name, *argv[name])
             agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
             if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
@@ -153,11 +171,11 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             deadline = started + cfg.time_budget_s - eval_reserve
 
             def learner_done() -> bool:
-                rows = _steps(metrics_path)
+                rows = {name: _steps(path) for name, path in metrics.items()}
                 if display is not None:
-                    display.update(rows=rows, version=worker_version(port), procs=procs, worker_port=port,
-                                   group_size=group_size)
-                return bool(rows) and rows[-1]["step"] >= cfg.steps
+                    display.update(rows=next(iter(rows.values())), version=worker_version(port), procs=procs,
+                                   worker_port=port, group_size=group_size)
+                return all(r and r[-1]["step"] >= cfg.steps for r in rows.values())
 
             with contextlib.suppress(Exception):
                 wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
@@ -166,21 +184,35 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
                 # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
                 log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the "
                             "evaluation before took %.0f s and as much is kept for the one after); raise "
-                            "--time-budget", len(_steps(metrics_path)), cfg.steps, cfg.time_budget_s, eval_s)
+                            "--time-budget", min(len(_steps(p)) for p in metrics.values()), cfg.steps,
+                            cfg.time_budget_s, eval_s)
             for name in reversed(agents):
                 procs.stop(name)
             # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
             # training on groups already in flight and the worker reloaded mid-evaluation.
-            procs.stop("learner", timeout=300)
-            rows = _steps(metrics_path)
+            for name in metrics:
+                procs.stop(name, timeout=300)
             summary["train_s"] = round(time.monotonic() - train_started, 1)
-            final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
-            summary["learner_steps"] = len(rows)
-            summary["learner_peak_rss_mb"] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
-            if final_version:
-                wait_until(lambda: (worker_version(port) or 0) >= final_version, 120,
-                           f"the worker to load policy version {final_version}", procs)
-            summary["policy_version_served"] = worker_version(port)
+            steps_of: dict[str, int] = {}
+            rss_of: dict[str, float | None] = {}
+            for name, path in metrics.items():
+                rows = _steps(path)
+                adapter = roles.get(name)  # None: the worker's one policy
+                final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
+                if final_version:
+                    wait_until(functools.partial(_serves, port, adapter, final_version), 120,
+                               f"the worker to load {adapter or 'the'} policy version {final_version}", procs)
+                steps_of[name] = len(rows)
+                rss_of[name] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
+            summary["learner_steps"] = min(steps_of.values())  # the steps every learner took
+            summary["learner_peak_rss_mb"] = max((m for m in rss_of.values() if m is not None), default=None)
+            if roles:
+                summary["roles"] = {roles[n]: {"learner_steps": steps_of[n], "learner_peak_rss_mb": rss_of[n]}
+                                    for n in metrics}
+                summary["policy_version_served"] = {r.name: worker_version(port, r.name)
+                                                    for specs in cfg.role_specs() for r in specs}
+            else:
+                summary["policy_version_served"] = worker_version(port)
             summary["after"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
             log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
         finally:
@@ -191,8 +223,12 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     diffs = [a - b for a, b in zip(summary["after"]["per_task"], summary["before"]["per_task"], strict=True)]
     summary["improvement"], summary["improvement_se"] = mean_and_se(diffs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _plot(metrics_path, summary, out / "curve.png")
+    _plot({roles.get(name, "training"): path for name, path in metrics.items()}, summary, out / "curve.png")
     return summary
+
+
+def _serves(port: int, adapter: str | None, version: int) -> bool:
+    return (worker_version(port, adapter) or 0) >= version
 
 
 def _steps(metrics_path: Path) -> list[dict[str, Any]]:
@@ -200,18 +236,22 @@ def _steps(metrics_path: Path) -> list[dict[str, Any]]:
     return [r for r in read_jsonl(metrics_path) if r.get("event") == "step"]
 
 
-def _plot(metrics_path: Path, summary: dict[str, Any], png: Path) -> None:
+def _plot(curves: dict[str, Path], summary: dict[str, Any], png: Path) -> None:
+    """Training reward per step of each learner (label -> its metrics file), held-out scores before/after."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _steps(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if rows:
-        ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker="o",
-                label="training reward (mean per step)")
-    for key, x, color in (("before", 0, "tab:red"), ("after", max(1, len(rows)), "tab:green")):
+    last = 1
+    for label, path in curves.items():
+        rows = _steps(path)
+        last = max(last, len(rows))
+        if rows:
+            ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker="o",
+                    label=f"{label} reward (mean per step)")
+    for key, x, color in (("before", 0, "tab:red"), ("after", last, "tab:green")):
         s = summary.get(key)
         if s:
             ax.errorbar([x], [s["score"]], yerr=[s["se"]], fmt="s", color=color, capsize=4,

@@ -113,11 +113,17 @@ def build_graph(sql_llm: BaseChatModel, answer_llm: BaseChatModel) -> Any:
 
 
 def make_llms(base_url: str, *, model: str = "policy", temperature: float = 0.7,
-              headers: dict[str, str] | None = None, api_key: str = "unused") -> tuple[ChatOpenAI, ChatOpenAI]:
-    """The two roles' chat models against one OpenAI-compatible endpoint."""
-    common = {"model": model, "base_url": base_url, "api_key": api_key, "temperature": temperature,
+              headers: dict[str, str] | None = None, api_key: str = "unused",
+              writer_model: str | None = None, answerer_model: str | None = None) -> tuple[ChatOpenAI, ChatOpenAI]:
+    """The two roles' chat models against one OpenAI-compatible endpoint.
+
+    ``writer_model`` / ``answerer_model`` (default ``model``) give each role a model name of its own: a worker
+    serving ``--adapters writer,answerer`` answers each role with its adapter, chosen by the ``model`` field.
+    """
+    common = {"base_url": base_url, "api_key": api_key, "temperature": temperature,
               "default_headers": headers, "max_retries": 0, "stop": ["\n"]}
-    return ChatOpenAI(max_tokens=48, **common), ChatOpenAI(max_tokens=16, **common)
+    return (ChatOpenAI(model=writer_model or model, max_tokens=48, **common),
+            ChatOpenAI(model=answerer_model or model, max_tokens=16, **common))
 
 
 def run_agent(graph: Any, question: str, db_seed: int = 0) -> str | None:
@@ -151,10 +157,14 @@ def solve(task: dict, ctx: Any) -> float:
     root and lose its LangGraph node. Without a ``traceparent`` the stream app
     places the worker's span under the tightest span that contains it in time
     (the ``ChatOpenAI`` span of that call), whose ``metadata`` names the node.
+
+    ``SQL_MODEL`` names the model both roles ask for; ``SQL_MODEL_WRITER`` /
+    ``SQL_MODEL_ANSWERER`` override it per role (one adapter per role).
     """
     sql_llm, answer_llm = make_llms(
         ctx.openai_base_url, model=os.environ.get("SQL_MODEL", "policy"),
         temperature=float(os.environ.get("SQL_TEMPERATURE", "0.7")),
+        writer_model=os.environ.get("SQL_MODEL_WRITER"), answerer_model=os.environ.get("SQL_MODEL_ANSWERER"),
     )
     answer = run_agent(build_graph(sql_llm, answer_llm), task["question"], int(task.get("db_seed", 0)))
     return reward(answer, task["answer"])

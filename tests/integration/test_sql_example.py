@@ -43,19 +43,20 @@ def _role(span: dict[str, Any]) -> str | None:
     return json.loads(raw).get("langgraph_node") if isinstance(raw, str) else None
 
 
-def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def _config(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, stream: dict[str, Any],
+            env: tuple[tuple[str, str], ...] = (), **changes: Any) -> PipelineConfig:
+    """A `boltstream train` run of the SQL agent on the session stack, tiny model, 6 train / 2 test tasks."""
     for key, value in to_env(settings).items():  # train.run(external=True) reads the session stack from env
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("BOLTSTREAM_STATE_FILE", str(tmp_path / "no-stack.json"))
     train, test = sql_tasks.train_test(n_train=6, n_test=2, seed=5)
     for name, tasks in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    cfg = PipelineConfig(
+    run_level: dict[str, Any] = {"model": "tiny", "lora": True, "group_size": 2, "steps": 2, "time_budget_s": 240,
+                                 "runner_workers": 4, "eval_samples": 1, **changes}
+    return PipelineConfig(
         agent="boltstream.examples.sql.agent:solve", train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
-        out=tmp_path / "out", model="tiny", lora=True, group_size=2, steps=2,
-        time_budget_s=240, runner_workers=4, eval_samples=1, learner={"groups_per_step": 1},
-        stream={"agent_match": "^sql_writer$", "air_rules_file": SQL_AIR_RULES},
+        out=tmp_path / "out", learner={"groups_per_step": 1}, stream={"air_rules_file": SQL_AIR_RULES, **stream},
         extra_env=(
             # what `opentelemetry-instrument` does: its sitecustomize loads every installed instrumentor
             ("PYTHONPATH", SITECUSTOMIZE_DIR),
@@ -64,8 +65,15 @@ def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: P
             # LangChain's spans only: the OpenAI SDK one would sit outside the LangGraph node
             ("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "openai"),
             ("SQL_TEMPERATURE", "1.0"),
+            *env,
         ),
+        **run_level,
     )
+
+
+def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _config(settings, tmp_path, monkeypatch, stream={"agent_match": "^sql_writer$"})
     summary = run(cfg, external=True)
 
     steps = [r for r in read_jsonl(cfg.out / "metrics.jsonl") if r.get("event") == "step"]
@@ -110,3 +118,41 @@ def test_sql_agent_trains_only_the_selected_role(settings: Settings, tmp_path: P
         (turn,), (tool,) = trained[rid]["turns"], tool_spans[rid]
         expected = {"sql_ran"} | ({"tool_error"} if tool["status"]["code"] == "ERROR" else set())
         assert {r["name"] for r in turn["rewards"]} == expected
+
+
+def test_sql_agent_with_an_adapter_per_role_trains_the_writer_and_keeps_the_answerer_frozen(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train --roles writer=^sql_writer$ --frozen-roles answerer``: each role's client asks for its adapter by
+    model name; one learner trains the writer's calls; the answerer's adapter never moves."""
+    cfg = _config(settings, tmp_path, monkeypatch, stream={}, steps=1, roles=("writer=^sql_writer$",),
+                  frozen_roles=("answerer=^answerer$",),
+                  env=(("SQL_MODEL_WRITER", "writer"), ("SQL_MODEL_ANSWERER", "answerer")))
+    summary = run(cfg, external=True)
+    assert summary["roles"]["writer"]["learner_steps"] == 1 and summary["learner_steps"] == 1
+    assert summary["policy_version_served"] == {"writer": 1, "answerer": 0}
+    assert summary["stream"]["agent_match"] == "(?:^sql_writer$)"
+
+    (step,) = [r for r in read_jsonl(cfg.out / "metrics-writer.jsonl") if r.get("event") == "step"]
+    role_of_sample = {s["sample_id"]: s["agent_name"] for b in read_all(settings, "batches", "TrainingBatch")
+                      for s in b["samples"]}
+    assert step["sample_ids"] and {role_of_sample[i] for i in step["sample_ids"]} == {"sql_writer"}
+    events = read_all(settings, "checkpoints", "CheckpointEvent")
+    assert {e["model"] for e in events} == {"writer"}
+
+    # every worker call was answered by its role's adapter, chosen by the client's model name
+    spans = read_all(settings, "spans", "Span")
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        by_rollout.setdefault(span.get("rollout_id") or "", []).append(span)
+    adapter_of_role = {"sql_writer": "writer", "answerer": "answerer"}
+    checked = 0
+    for group in by_rollout.values():
+        tree = build_span_tree(group)
+        names = inherited_agent_names(tree.spans, tree.parent_of)
+        for call in (s for s in group if has_token_ids(s)):
+            if names.get(call["span_id"]) in adapter_of_role:
+                assert call["attributes"]["boltstream.adapter"] == adapter_of_role[names[call["span_id"]]]
+                checked += 1
+            if call["attributes"]["boltstream.adapter"] == "answerer":
+                assert call["llm"]["policy_version"] == 0
+    assert checked >= 4

@@ -16,7 +16,7 @@ import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
 from boltstream.examples.sql import db, tasks
-from boltstream.examples.sql.agent import build_graph, extract_sql, parse_answer, reward, run_agent
+from boltstream.examples.sql.agent import build_graph, extract_sql, make_llms, parse_answer, reward, run_agent
 from boltstream.producers.normalise import normalise_span
 from boltstream.streams.air import CallRef, evaluate_air
 from boltstream.streams.spans import inherited_agent_names, is_llm_span, is_tool_span, own_agent_name
@@ -122,3 +122,12 @@ def test_openinference_spans_name_each_role_and_fail_the_tool(langchain_spans: A
     writer = next(s for s in llm if own_agent_name(s) == "sql_writer")
     air = evaluate_air(spans.values(), [CallRef(s["span_id"], s["end_time_ns"]) for s in llm], parent_of=parent_of)
     assert [r["name"] for r in air.rewards_by_call.get(writer["span_id"], [])] == ["tool_error"]
+
+
+def test_each_role_can_ask_for_its_own_model_name() -> None:
+    """One adapter per role: the worker picks ``--adapters writer,answerer`` by the request's ``model``."""
+    shared = make_llms("http://127.0.0.1:1/v1", model="policy")
+    assert [llm.model_name for llm in shared] == ["policy", "policy"]
+    per_role = make_llms("http://127.0.0.1:1/v1", model="policy", writer_model="writer", answerer_model="answerer")
+    assert [llm.model_name for llm in per_role] == ["writer", "answerer"]
+    assert [llm.max_tokens for llm in per_role] == [48, 16]

@@ -1,0 +1,70 @@
+"""``boltstream train --roles ... --frozen-roles ...``: what each component of a per-role run is told."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from boltstream.config import load
+from boltstream.errors import BoltstreamError
+from boltstream.inference.cli import ServeConfig
+from boltstream.inference.cli import parser as serve_parser
+from boltstream.runs.pipeline import PipelineConfig
+from boltstream.runs.train import add_arguments, config_from_args
+
+
+@pytest.fixture
+def run_cfg(tmp_path: Path) -> PipelineConfig:
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.jsonl").write_text('{"id": "t1"}\n')
+    return PipelineConfig(agent="boltstream.examples.sql.agent:solve", train=tmp_path / "train.jsonl",
+                          test=tmp_path / "test.jsonl", out=tmp_path / "out", model="tiny")
+
+
+def test_each_trained_role_gets_a_learner_every_role_an_adapter_and_the_stream_the_trained_agents(
+        run_cfg: PipelineConfig, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(run_cfg, roles=("writer=^sql_writer$", "checker"), frozen_roles=("answerer",))
+    argv = cfg.argv(metrics_path=tmp_path / "metrics.jsonl")
+    assert [k for k in argv if k.startswith("learner")] == cfg.learner_names() == ["learner-writer",
+                                                                                    "learner-checker"]
+    learners = cfg.learner_configs()
+    assert {n: (c.role, c.name, c.lora, c.max_steps) for n, c in learners.items()} == {
+        "learner-writer": ("writer=^sql_writer$", "writer", True, 8),
+        "learner-checker": ("checker=^checker$", "checker", True, 8)}
+    assert {n: argv[n][argv[n].index("--metrics-path") + 1] for n in learners} == {
+        n: str(tmp_path / f"metrics-{role}.jsonl") for n, role in (("learner-writer", "writer"),
+                                                                   ("learner-checker", "checker"))}
+    assert cfg.stream_config().agent_match == "(?:^sql_writer$)|(?:^checker$)"
+    serve = load(ServeConfig, vars(serve_parser().parse_args(argv["worker"][1:])), env={}, state_file=os.devnull)
+    assert [(a.name, a.checkpoint_model, a.agents.pattern) for a in serve.adapter_specs] == [
+        ("writer", "writer", "^sql_writer$"), ("checker", "checker", "^checker$"), ("answerer", "answerer", "^answerer$")]
+
+
+def test_without_roles_the_run_is_unchanged(run_cfg: PipelineConfig, tmp_path: Path) -> None:
+    argv = run_cfg.argv(metrics_path=tmp_path / "metrics.jsonl")
+    assert run_cfg.learner_names() == ["learner"] and "--adapters" not in argv["worker"]
+    assert argv["learner"][:5] == ["learn", "--model", "tiny", "--model-name", "policy"]
+    assert run_cfg.learner_config().role is None and run_cfg.stream_config().agent_match is None
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"roles": ("w", "w=x")}, "named twice"), ({"roles": ("w",), "frozen_roles": ("w",)}, "named twice"),
+    ({"frozen_roles": ("f",)}, "--frozen-roles needs --roles"),
+    ({"roles": ("w",), "stream": {"agent_match": "^w$"}}, "--agent-match with --roles"),
+    ({"roles": ("w",), "lora": False}, "not with --full"), ({"roles": ("w=(",)}, "role='w=\\(': invalid regex")])
+def test_bad_role_settings_fail_when_the_run_is_configured(run_cfg: PipelineConfig, changes: dict,
+                                                           needle: str) -> None:
+    with pytest.raises(BoltstreamError, match=needle):
+        dataclasses.replace(run_cfg, **changes)
+
+
+def test_the_flags_reach_the_run(run_cfg: PipelineConfig, tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--roles", "writer=^sql_writer$, checker", "--frozen-roles", "answerer"])
+    cfg = config_from_args(args, tmp_path / "out", agent=run_cfg.agent, train=run_cfg.train, test=run_cfg.test)
+    assert (cfg.roles, cfg.frozen_roles) == (("writer=^sql_writer$", "checker"), ("answerer",))
