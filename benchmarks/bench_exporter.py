@@ -308,7 +308,9 @@ def capture_cost(legacy: Any, repeats: int) -> dict[str, Any]:
     from boltstream.config import Settings
     from boltstream.inference.backend import Completion, SamplingParams
     from boltstream.inference.capture import CallContext, build_llm_span
+    from boltstream.malloc import keep_heap_for_requests
 
+    keep_heap_for_requests()  # as `boltstream serve` does at start (boltstream/malloc.py)
     settings = Settings()
     encoders = {"packed": SpanRecordEncoder(settings), "v1": SpanRecordEncoder(settings, legacy)}
     assert all(e.fast for e in encoders.values()), "the fast Span encoder refused a schema"
@@ -316,9 +318,10 @@ def capture_cost(legacy: Any, repeats: int) -> dict[str, Any]:
     rng = random.Random(11)
     calls_4k = [([rng.randrange(49_152) for _ in range(4000)], [rng.randrange(49_152) for _ in range(500)],
                  [-rng.random() for _ in range(500)]) for _ in range(20)]
+    calls_tiny = [(c[0][:10], c[1][:5], c[2][:5]) for c in calls_4k]  # what a call costs without its tokens
     shape_calls = [(list(p), list(r), list(lp)) for p, r, lp in token_calls(SHAPE)]
     out: dict[str, Any] = {}
-    for label, calls in (("call_4000_500", calls_4k), ("shape_calls", shape_calls)):
+    for label, calls in (("call_4000_500", calls_4k), ("call_10_5", calls_tiny), ("shape_calls", shape_calls)):
         if not calls:
             continue
         tokens = sum(len(p) + len(r) for p, r, _ in calls)

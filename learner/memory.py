@@ -16,14 +16,13 @@ started (CLI, docker compose, a test harness).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import resource
 
+from boltstream.malloc import M_MMAP_THRESHOLD, mallopt
+
 logger = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 GLIBC_MAX_MMAP_THRESHOLD_KB = 32 * 1024  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
 STATUS_FIELDS = {"VmRSS": "rss_mb", "VmHWM": "peak_rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}
 
@@ -35,18 +34,9 @@ def pin_mmap_threshold(kib: int) -> bool:
     """
     if not 0 < kib <= GLIBC_MAX_MMAP_THRESHOLD_KB:
         raise ValueError(f"mmap threshold must be 1..{GLIBC_MAX_MMAP_THRESHOLD_KB} KiB, got {kib}")
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        logger.info("no glibc mallopt here: malloc's mmap threshold left as it is")
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    ok = bool(mallopt(M_MMAP_THRESHOLD, kib * 1024))
+    ok = mallopt(M_MMAP_THRESHOLD, kib * 1024)
     if ok:
         logger.debug("malloc mmap threshold pinned at %d KiB", kib)
-    else:
-        logger.warning("mallopt(M_MMAP_THRESHOLD, %d KiB) refused: freed activations may stay resident", kib)
     return ok
 
 

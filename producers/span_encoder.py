@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from boltstream.schemas.packed import pack, wire_fields
+from boltstream.schemas.packed import packed_buffer, wire_fields
 from boltstream.schemas.records import RECORD_HEADROOM, span_key
 
 from .truncate import DEFAULT_MAX_ATTRIBUTE_BYTES, cap_attributes, fit
@@ -158,8 +158,11 @@ def _empty_array(v: Any, w: Callable[[bytes], Any]) -> None:
 
 def _packed_writer(kind: str, field: str) -> Callable[[Any, Callable[[bytes], Any]], None]:
     def write(v: Any, w: Callable[[bytes], Any]) -> None:
-        data = b"" if v is None else pack(v, kind, field)
-        w(_long(len(data)))
+        if v is None:
+            w(b"\x00")
+            return
+        data, size = packed_buffer(v, kind, field)  # an int32 array goes into the join as it is: no copy
+        w(_long(size))
         w(data)
 
     return write

@@ -107,6 +107,16 @@ def pack(value: Any, kind: str, field: str = "value") -> bytes:
     return _le(out).tobytes()
 
 
+def packed_buffer(value: Any, kind: str, field: str = "value") -> tuple[Any, int]:
+    """(a bytes-like object holding ``value`` packed, its size in bytes) without copying an ``array.array``
+    of the kind (little-endian hosts): for writers that join buffers (``b"".join`` takes any), where
+    :func:`pack`'s copy would be one more allocation of the payload's size per record."""
+    if isinstance(value, array) and value.typecode == _KINDS[kind][0] and not _BIG_ENDIAN:
+        return value, len(value) * value.itemsize
+    data = pack(value, kind, field)
+    return data, len(data)
+
+
 def unpack(data: bytes, kind: str, field: str = "value") -> array:
     """The ``array.array`` (``'i'``, ``'f'`` or ``'B'``) held by little-endian ``data`` (a copy:
     one memcpy)."""
