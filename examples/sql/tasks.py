@@ -71,6 +71,14 @@ def train_test(n_train: int = 64, n_test: int = 16, seed: int = 0, db_seed: int 
     return tasks(train, "train"), tasks(test, "test")
 
 
+JOIN_KINDS = ("customer_orders", "product_quantity")
+
+
+def easy_first(tasks: list[dict]) -> list[dict]:
+    """Single-table questions before the ones that need a join; the order within each kept (stable)."""
+    return sorted(tasks, key=lambda t: t["kind"] in JOIN_KINDS)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="write SQL agent tasks as JSONL")
     p.add_argument("--train", default="sql_train.jsonl")
@@ -78,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-train", type=int, default=64)
     p.add_argument("--n-test", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--easy-first", action="store_true",
+                   help="order the training tasks single-table questions first, joins last (a curriculum: "
+                        "the runner takes tasks in file order)")
     args = p.parse_args(argv)
     train, test = train_test(args.n_train, args.n_test, args.seed)
+    if args.easy_first:
+        train = easy_first(train)
     for path, rows in ((args.train, train), (args.test, test)):
         with open(path, "w") as f:
             f.writelines(json.dumps(t) + "\n" for t in rows)

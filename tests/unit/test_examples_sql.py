@@ -131,3 +131,26 @@ def test_each_role_can_ask_for_its_own_model_name() -> None:
     per_role = make_llms("http://127.0.0.1:1/v1", model="policy", writer_model="writer", answerer_model="answerer")
     assert [llm.model_name for llm in per_role] == ["writer", "answerer"]
     assert [llm.max_tokens for llm in per_role] == [48, 16]
+
+
+def test_rows_returned_rewards_a_query_that_found_something() -> None:
+    from boltstream.examples.sql.air_rules import rows_returned
+
+    def tool(output: object, code: str = "OK", name: str = "execute_sql") -> dict:
+        return {"name": name, "status": {"code": code}, "attributes": {"output.value": output}}
+
+    assert rows_returned(tool("3")) == 0.1
+    assert rows_returned(tool('{"content": "Oslo", "type": "tool"}')) == 0.1  # a ToolMessage as JSON
+    assert rows_returned(tool("(no rows)")) is None
+    assert rows_returned(tool('{"content": "(no rows)"}')) is None
+    assert rows_returned(tool("3", code="ERROR")) is None  # the query failed: tool_error's business
+    assert rows_returned(tool("3", name="answerer")) is None
+    assert rows_returned(tool(None)) is None
+
+
+def test_easy_first_puts_joins_last_and_keeps_the_order_within() -> None:
+    from boltstream.examples.sql.tasks import easy_first
+
+    tasks = [{"id": 1, "kind": "customer_orders"}, {"id": 2, "kind": "price"},
+             {"id": 3, "kind": "product_quantity"}, {"id": 4, "kind": "city_count"}]
+    assert [t["id"] for t in easy_first(tasks)] == [2, 4, 1, 3]
