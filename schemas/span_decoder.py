@@ -87,11 +87,11 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def _string(data: bytes, pos: int) -> tuple[str, int]:
-    b = data[pos]
-    if b < 0x80:
-        n, pos = _ZZ[b], pos + 1
-    else:
-        n, pos = _varint(data, pos)
+    n = _LEN[data[pos]]
+    if n >= 0:  # a one-byte length; a string cut short by the end of the data fails the next read
+        pos += n + 1
+        return data[pos - n:pos].decode(), pos
+    n, pos = _varint(data, pos)
     end = pos + n
     if n < 0 or end > len(data):
         raise _Corrupt(f"string of {n} bytes at offset {pos}, {len(data) - pos} left")
@@ -313,83 +313,39 @@ class FastSpanDecoder:
         self._events = _reader(fields["events"], named)
         self._resource = _map(fields["resource"]["values"], named)
         self._optional = _reader(fields["parent_span_id"], named)
-        if any(fields[f] != fields["parent_span_id"] for f in _OPTIONAL_STRINGS):
+        optional = [fields[f] for f in _OPTIONAL_STRINGS] + [fields["status"]["fields"][1]["type"]]
+        if any(u != fields["parent_span_id"] for u in optional):
             raise ValueError("the optional strings of Span are not all the same union")
-        self._message = _reader(fields["status"]["fields"][1]["type"], named)
         self._scope = _reader(fields["scope"], named)
         self._llm = _reader(fields["llm"], named)
-        union = fields["parent_span_id"]
-        if fields["status"]["fields"][1]["type"] != union:
-            raise ValueError("the optional strings of Span are not all the same union")
-        self._null_byte = 2 * union.index("null")  # the one-byte zig-zag varints of positions 0 and 1
-        self._value_byte = 2 - self._null_byte
         self.label = label
         self._packed = packed
 
     def _span(self, data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         """The record in schema order, the top level written out: on a small span a loop over field
-        readers costs more than the reading. Strings shorter than 64 bytes (a one-byte length) are
-        read inline; the rest, and every union position but the canonical two, by the readers. A
-        string cut short by the end of the data is caught at the next read (the record ends with one)."""
-        opt, lens, null, value = self._optional, _LEN, self._null_byte, self._value_byte
-        n = lens[data[pos]]
-        if n < 0:
-            trace_id, pos = _string(data, pos)
-        else:
-            pos += n + 1
-            trace_id = data[pos - n:pos].decode()
-        n = lens[data[pos]]
-        if n < 0:
-            span_id, pos = _string(data, pos)
-        else:
-            pos += n + 1
-            span_id = data[pos - n:pos].decode()
-        if data[pos] == null:
-            parent, pos = None, pos + 1
-        else:
-            parent, pos = opt(data, pos)
-        n = lens[data[pos]]
-        if n < 0:
-            name, pos = _string(data, pos)
-        else:
-            pos += n + 1
-            name = data[pos - n:pos].decode()
-        n = lens[data[pos]]
-        if n < 0:
-            kind, pos = _string(data, pos)
-        else:
-            pos += n + 1
-            kind = data[pos - n:pos].decode()
+        readers costs more than the reading."""
+        opt, string = self._optional, _string
+        trace_id, pos = string(data, pos)
+        span_id, pos = string(data, pos)
+        parent, pos = opt(data, pos)
+        name, pos = string(data, pos)
+        kind, pos = string(data, pos)
         start, pos = _varint(data, pos)
         end, pos = _varint(data, pos)
-        n = lens[data[pos]]
-        if n < 0:
-            code, pos = _string(data, pos)
-        else:
-            pos += n + 1
-            code = data[pos - n:pos].decode()
-        if data[pos] == null:
-            message, pos = None, pos + 1
-        else:
-            message, pos = self._message(data, pos)
+        code, pos = string(data, pos)
+        message, pos = opt(data, pos)
         attributes, pos = self._attributes(data, pos)
-        events, pos = self._events(data, pos)
-        resource, pos = self._resource(data, pos)
+        events, pos = ([], pos + 1) if data[pos] == 0 else self._events(data, pos)
+        resource, pos = ({}, pos + 1) if data[pos] == 0 else self._resource(data, pos)
         scope, pos = self._scope(data, pos)
-        ids = []
-        for _ in range(3):
-            b = data[pos]
-            if b == value and (n := lens[data[pos + 1]]) >= 0:
-                pos += n + 2
-                ids.append(data[pos - n:pos].decode())
-            else:
-                v, pos = opt(data, pos)
-                ids.append(v)
+        rollout_id, pos = opt(data, pos)
+        attempt_id, pos = opt(data, pos)
+        task_id, pos = opt(data, pos)
         llm, pos = self._llm(data, pos)
         return {"trace_id": trace_id, "span_id": span_id, "parent_span_id": parent, "name": name, "kind": kind,
                 "start_time_ns": start, "end_time_ns": end, "status": {"code": code, "message": message},
                 "attributes": attributes, "events": events, "resource": resource, "scope": scope,
-                "rollout_id": ids[0], "attempt_id": ids[1], "task_id": ids[2], "llm": llm}, pos
+                "rollout_id": rollout_id, "attempt_id": attempt_id, "task_id": task_id, "llm": llm}, pos
 
     @classmethod
     def create(cls, codec: Any) -> FastSpanDecoder | None:
@@ -422,6 +378,8 @@ class FastSpanDecoder:
         except Exception as exc:  # UnicodeDecodeError, struct.error: whatever the bytes provoke
             reason = f"{type(exc).__name__}: {exc}"[:300]
         else:
+            if pos > len(data):
+                raise SchemaError(f"truncated {self.label} record: {len(data)} bytes, {pos} read")
             if pos != len(data):
                 raise SchemaError(f"corrupt {self.label} record: {len(data) - pos} bytes left over after the record")
             llm = record.get("llm")
