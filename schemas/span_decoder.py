@@ -107,12 +107,15 @@ def _bytes(data: bytes, pos: int) -> tuple[bytes, int]:
 
 
 def _blocks(data: bytes, pos: int) -> tuple[int, int]:
-    """(item count, position) of the next array/map block: a negative count is followed by the
-    block's size in bytes, unused (fastavro: ``-(-2**63)`` stays negative in C, so no items)."""
+    """(item count, position) of the next array/map block; 0 at the end. A negative count is followed
+    by the block's size in bytes, unused; fastavro's C negation leaves ``-2**63`` negative, so that
+    block has no items and the next count follows."""
     n, pos = _varint(data, pos)
-    if n < 0:
+    while n < 0:
         _, pos = _varint(data, pos)
-        n = 0 if n == -(1 << 63) else -n
+        if n != -(1 << 63):
+            return -n, pos
+        n, pos = _varint(data, pos)
     return n, pos
 
 
