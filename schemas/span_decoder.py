@@ -46,7 +46,6 @@ _SCALARS = {"string": STRING, "null": NULL, "long": LONG, "boolean": BOOL, "doub
 
 _TOP_FIELDS = ("trace_id", "span_id", "parent_span_id", "name", "kind", "start_time_ns", "end_time_ns", "status",
                "attributes", "events", "resource", "scope", "rollout_id", "attempt_id", "task_id", "llm")
-_OPTIONAL_STRINGS = ("parent_span_id", "rollout_id", "attempt_id", "task_id")
 
 
 class _Corrupt(Exception):
@@ -175,14 +174,17 @@ def _optional(union: list[Any], read: Callable[[bytes, int], tuple[Any, int]]
               ) -> Callable[[bytes, int], tuple[Any, int]]:
     """Reader of a two-branch ``null``/value union, in either order."""
     nulls = frozenset(p for p, i in _union(union).items() if union[i] == "null")
-    null_byte = 2 * union.index("null")  # the one-byte zig-zag varints of positions 0 and 1
-    value_byte = 2 - null_byte
+    null_byte = _null_byte(union)
+    value_byte = 2 - null_byte  # positions 0 and 1 are one-byte varints: 0x00 and 0x02
 
     def opt(data: bytes, pos: int) -> tuple[Any, int]:
         b = data[pos]
         if b == null_byte:
             return None, pos + 1
         if b == value_byte:
+            if read is _string and (n := _LEN[data[pos + 1]]) >= 0:  # inline: most optionals are strings
+                pos += n + 2
+                return data[pos - n:pos].decode(), pos
             return read(data, pos + 1)
         idx, pos = _varint(data, pos)  # a negative or a non-canonical position: as fastavro reads it
         if idx in nulls:
@@ -194,13 +196,24 @@ def _optional(union: list[Any], read: Callable[[bytes, int], tuple[Any, int]]
     return opt
 
 
+def _null_byte(typ: Any) -> int:
+    """The one-byte varint of the null position of a two-branch ``null`` union, else -1."""
+    return 2 * typ.index("null") if isinstance(typ, list) and len(typ) == 2 and "null" in typ else -1
+
+
 def _record(typ: dict[str, Any], named: dict[str, Any]) -> Callable[[bytes, int], tuple[dict[str, Any], int]]:
-    fields = [(f["name"], _reader(f["type"], named)) for f in typ["fields"]]
+    # (name, reader, the byte of a null union position or -1): most optional fields are null, and
+    # testing one byte costs less than a call.
+    fields = [(f["name"], _reader(f["type"], named), _null_byte(f["type"])) for f in typ["fields"]]
 
     def record(data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         out = {}
-        for name, read in fields:
-            out[name], pos = read(data, pos)
+        for name, read, null in fields:
+            if null != -1 and data[pos] == null:
+                out[name] = None
+                pos += 1
+            else:
+                out[name], pos = read(data, pos)
         return out, pos
 
     return record
@@ -208,25 +221,18 @@ def _record(typ: dict[str, Any], named: dict[str, Any]) -> Callable[[bytes, int]
 
 def _array(items: Any, named: dict[str, Any]) -> Callable[[bytes, int], tuple[list[Any], int]]:
     """Reader of an Avro array (blocks of items, ended by an empty block)."""
-    if items in ("double", "float"):  # fixed-size items: one struct call per block
-        size, code = (8, "d") if items == "double" else (4, "f")
+    read = _reader(items, named)
 
-        def block(data: bytes, pos: int, count: int) -> tuple[list[Any], int]:
-            end = pos + size * count
-            if end > len(data):
-                raise _Corrupt(f"{count} {items}s at offset {pos}, {len(data) - pos} bytes left")
-            return list(struct.unpack_from(f"<{count}{code}", data, pos)), end
-    else:
-        read = _reader(items, named)
-
-        def block(data: bytes, pos: int, count: int) -> tuple[list[Any], int]:
-            out = []
-            for _ in range(count):
-                v, pos = read(data, pos)
-                out.append(v)
-            return out, pos
+    def block(data: bytes, pos: int, count: int) -> tuple[list[Any], int]:
+        out = []
+        for _ in range(count):
+            v, pos = read(data, pos)
+            out.append(v)
+        return out, pos
 
     def read_array(data: bytes, pos: int) -> tuple[list[Any], int]:
+        if data[pos] == 0:  # empty: the legacy token arrays of every record written today
+            return [], pos + 1
         n, pos = _blocks(data, pos)
         out: list[Any] = []
         while n:
@@ -261,26 +267,25 @@ def _map(values: Any, named: dict[str, Any]) -> Callable[[bytes, int], tuple[dic
     def read_map(data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         out: dict[str, Any] = {}
         n, pos = _blocks(data, pos)
-        size = len(data)
+        lens = _LEN
         while n:
             for _ in range(n):
+                k = lens[data[pos]]
+                if k < 0:
+                    key, pos = _string(data, pos)
+                else:
+                    pos += k + 1
+                    key = data[pos - k:pos].decode()
                 b = data[pos]
-                k, pos = (_ZZ[b], pos + 1) if b < 0x80 else _varint(data, pos)
-                end = pos + k
-                if k < 0 or end > size:
-                    raise _Corrupt(f"map key of {k} bytes at offset {pos}, {size - pos} left")
-                key = data[pos:end].decode()
-                b = data[end]
-                idx, pos = (_ZZ[b], end + 1) if b < 0x80 else _varint(data, end)
+                idx, pos = (_ZZ[b], pos + 1) if b < 0x80 else _varint(data, pos)
                 kind = kinds.get(idx)
                 if kind == STRING:
-                    b = data[pos]
-                    k, pos = (_ZZ[b], pos + 1) if b < 0x80 else _varint(data, pos)
-                    end = pos + k
-                    if k < 0 or end > size:
-                        raise _Corrupt(f"string of {k} bytes at offset {pos}, {size - pos} left")
-                    out[key] = data[pos:end].decode()
-                    pos = end
+                    k = lens[data[pos]]
+                    if k < 0:
+                        out[key], pos = _string(data, pos)
+                    else:
+                        pos += k + 1
+                        out[key] = data[pos - k:pos].decode()
                 elif kind == NULL:
                     out[key] = None
                 elif kind == LONG:
@@ -315,10 +320,9 @@ class FastSpanDecoder:
         self._attributes = _map(fields["attributes"]["values"], named)  # defines the array records
         self._events = _reader(fields["events"], named)
         self._resource = _map(fields["resource"]["values"], named)
-        self._optional = _reader(fields["parent_span_id"], named)
-        optional = [fields[f] for f in _OPTIONAL_STRINGS] + [fields["status"]["fields"][1]["type"]]
-        if any(u != fields["parent_span_id"] for u in optional):
-            raise ValueError("the optional strings of Span are not all the same union")
+        self._parent, self._rollout, self._attempt, self._task = (
+            _reader(fields[f], named) for f in ("parent_span_id", "rollout_id", "attempt_id", "task_id"))
+        self._message = _reader(fields["status"]["fields"][1]["type"], named)
         self._scope = _reader(fields["scope"], named)
         self._llm = _reader(fields["llm"], named)
         self.label = label
@@ -327,23 +331,23 @@ class FastSpanDecoder:
     def _span(self, data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         """The record in schema order, the top level written out: on a small span a loop over field
         readers costs more than the reading."""
-        opt, string = self._optional, _string
+        string = _string
         trace_id, pos = string(data, pos)
         span_id, pos = string(data, pos)
-        parent, pos = opt(data, pos)
+        parent, pos = self._parent(data, pos)
         name, pos = string(data, pos)
         kind, pos = string(data, pos)
         start, pos = _varint(data, pos)
         end, pos = _varint(data, pos)
         code, pos = string(data, pos)
-        message, pos = opt(data, pos)
+        message, pos = self._message(data, pos)
         attributes, pos = self._attributes(data, pos)
         events, pos = ([], pos + 1) if data[pos] == 0 else self._events(data, pos)
         resource, pos = ({}, pos + 1) if data[pos] == 0 else self._resource(data, pos)
         scope, pos = self._scope(data, pos)
-        rollout_id, pos = opt(data, pos)
-        attempt_id, pos = opt(data, pos)
-        task_id, pos = opt(data, pos)
+        rollout_id, pos = self._rollout(data, pos)
+        attempt_id, pos = self._attempt(data, pos)
+        task_id, pos = self._task(data, pos)
         llm, pos = self._llm(data, pos)
         return {"trace_id": trace_id, "span_id": span_id, "parent_span_id": parent, "name": name, "kind": kind,
                 "start_time_ns": start, "end_time_ns": end, "status": {"code": code, "message": message},

@@ -193,7 +193,7 @@ _ATTR_AT = _SMALL_BYTES.index(b"\x02k") + 2  # the attribute value's union posit
     (_SMALL_BYTES.replace(b"\x02k", b"\x02\xff"), "UnicodeDecodeError"),
     (_SMALL_BYTES[:-1] + b"\xff", "ran past the end"),
     (_SMALL_BYTES[:-1] + b"\x04", "union index 2 out of range"),
-    (_SMALL_BYTES.replace(b"\x02k", b"\x7fk"), "map key of -64 bytes"),
+    (_SMALL_BYTES.replace(b"\x02k", b"\x7fk"), "string of -64 bytes"),
     (_body({**sample_record(), "llm": {**sample_record()["llm"], "prompt_token_ids": [], "response_token_ids": [],
                                        "response_logprobs": [], "prompt_token_ids_i32": b"\x01\x02\x03\x04\x05",
                                        "response_token_ids_i32": b"", "response_logprobs_f32": b""}}),
