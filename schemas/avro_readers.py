@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 _MASK64 = (1 << 64) - 1
-_ZZ = tuple((b >> 1) ^ -(b & 1) for b in range(128))  # one-byte varints, zig-zag decoded
+ZZ = tuple((b >> 1) ^ -(b & 1) for b in range(128))  # one-byte varints, zig-zag decoded
 # One-byte string lengths (0..63); -1 for a longer or a negative length (read by read_string).
 LEN = tuple(b >> 1 if b < 0x80 and not b & 1 else -1 for b in range(256))
 _HIGH: dict[bytes, int] = {}  # bytes 4-8 of a 9-byte varint -> their bits (see read_varint)
@@ -46,7 +46,7 @@ def read_varint(data: bytes, pos: int) -> tuple[int, int]:
     28 bits are gathered from bytes 0-3 arithmetically."""
     b = data[pos]
     if b < 0x80:
-        return _ZZ[b], pos + 1
+        return ZZ[b], pos + 1
     high = _HIGH.get(data[pos + 4:pos + 9])
     if high is not None:
         v = int.from_bytes(data[pos:pos + 4], "little")
@@ -154,21 +154,12 @@ def reader(typ: Any, named: dict[str, Any]) -> Callable[[bytes, int], tuple[Any,
 
 def _optional(union: list[Any], read: Callable[[bytes, int], tuple[Any, int]]
               ) -> Callable[[bytes, int], tuple[Any, int]]:
-    """Reader of a two-branch ``null``/value union, in either order."""
+    """Reader of a two-branch ``null``/value union, in either order, any position encoding."""
     nulls = frozenset(p for p, i in _union(union).items() if union[i] == "null")
-    nul = null_byte(union)
-    value_byte = 2 - nul  # positions 0 and 1 are one-byte varints: 0x00 and 0x02
 
     def opt(data: bytes, pos: int) -> tuple[Any, int]:
         b = data[pos]
-        if b == nul:
-            return None, pos + 1
-        if b == value_byte:
-            if read is read_string and (n := LEN[data[pos + 1]]) >= 0:  # inline: most optionals are strings
-                pos += n + 2
-                return data[pos - n:pos].decode(), pos
-            return read(data, pos + 1)
-        idx, pos = read_varint(data, pos)  # a negative or a non-canonical position: as fastavro reads it
+        idx, pos = (ZZ[b], pos + 1) if b < 0x80 else read_varint(data, pos)
         if idx in nulls:
             return None, pos
         if -2 <= idx < 2:
@@ -259,7 +250,7 @@ def map_reader(values: Any, named: dict[str, Any]) -> Callable[[bytes, int], tup
                     pos += k + 1
                     key = data[pos - k:pos].decode()
                 b = data[pos]
-                idx, pos = (_ZZ[b], pos + 1) if b < 0x80 else read_varint(data, pos)
+                idx, pos = (ZZ[b], pos + 1) if b < 0x80 else read_varint(data, pos)
                 kind = kinds.get(idx)
                 if kind == STRING:
                     k = lens[data[pos]]
@@ -272,7 +263,7 @@ def map_reader(values: Any, named: dict[str, Any]) -> Callable[[bytes, int], tup
                     out[key] = None
                 elif kind == LONG:
                     b = data[pos]
-                    out[key], pos = (_ZZ[b], pos + 1) if b < 0x80 else read_varint(data, pos)
+                    out[key], pos = (ZZ[b], pos + 1) if b < 0x80 else read_varint(data, pos)
                 elif kind == BOOL:
                     out[key] = data[pos] != 0
                     pos += 1

@@ -23,60 +23,21 @@ import math
 from array import array
 from typing import Any
 
-from .avro_readers import Corrupt, map_reader, read_string, read_varint, reader
+from .avro_compiled import compile_record
+from .avro_readers import Corrupt
 from .errors import SchemaError
 from .packed import TOKEN_FIELDS, as_array, has_packed_fields, unpack, wire_name
 
 log = logging.getLogger(__name__)
-
-_TOP_FIELDS = ("trace_id", "span_id", "parent_span_id", "name", "kind", "start_time_ns", "end_time_ns", "status",
-               "attributes", "events", "resource", "scope", "rollout_id", "attempt_id", "task_id", "llm")
-
 
 class FastSpanDecoder:
     """``decode(data, offset) -> dict``: exactly what ``Codec.decode(data, expect="Span")`` returns for
     a record written with the schema this decoder was built from."""
 
     def __init__(self, schema: dict[str, Any], label: str, packed: bool) -> None:
-        fields = {f["name"]: f["type"] for f in schema["fields"]}
-        if tuple(fields) != _TOP_FIELDS or [f["name"] for f in fields["status"]["fields"]] != ["code", "message"]:
-            raise ValueError(f"Span fields {tuple(fields)} are not the layout this module reads")
-        named: dict[str, Any] = {}
-        self._attributes = map_reader(fields["attributes"]["values"], named)  # defines the array records
-        self._events = reader(fields["events"], named)
-        self._resource = map_reader(fields["resource"]["values"], named)
-        self._parent, self._rollout, self._attempt, self._task = (
-            reader(fields[f], named) for f in ("parent_span_id", "rollout_id", "attempt_id", "task_id"))
-        self._message = reader(fields["status"]["fields"][1]["type"], named)
-        self._scope = reader(fields["scope"], named)
-        self._llm = reader(fields["llm"], named)
+        self._read = compile_record(schema)
         self.label = label
         self._packed = packed
-
-    def _span(self, data: bytes, pos: int) -> tuple[dict[str, Any], int]:
-        """The record in schema order, the top level written out: on a small span a loop over field
-        readers costs more than the reading."""
-        trace_id, pos = read_string(data, pos)
-        span_id, pos = read_string(data, pos)
-        parent, pos = self._parent(data, pos)
-        name, pos = read_string(data, pos)
-        kind, pos = read_string(data, pos)
-        start, pos = read_varint(data, pos)
-        end, pos = read_varint(data, pos)
-        code, pos = read_string(data, pos)
-        message, pos = self._message(data, pos)
-        attributes, pos = self._attributes(data, pos)
-        events, pos = ([], pos + 1) if data[pos] == 0 else self._events(data, pos)
-        resource, pos = ({}, pos + 1) if data[pos] == 0 else self._resource(data, pos)
-        scope, pos = self._scope(data, pos)
-        rollout_id, pos = self._rollout(data, pos)
-        attempt_id, pos = self._attempt(data, pos)
-        task_id, pos = self._task(data, pos)
-        llm, pos = self._llm(data, pos)
-        return {"trace_id": trace_id, "span_id": span_id, "parent_span_id": parent, "name": name, "kind": kind,
-                "start_time_ns": start, "end_time_ns": end, "status": {"code": code, "message": message},
-                "attributes": attributes, "events": events, "resource": resource, "scope": scope,
-                "rollout_id": rollout_id, "attempt_id": attempt_id, "task_id": task_id, "llm": llm}, pos
 
     @classmethod
     def create(cls, codec: Any) -> FastSpanDecoder | None:
@@ -101,7 +62,7 @@ class FastSpanDecoder:
         """The record whose Avro body starts at ``offset``; ``SchemaError`` (without a topic) where
         fastavro would fail, with the codec's wording."""
         try:
-            record, pos = self._span(data, offset)
+            record, pos = self._read(data, offset)
         except IndexError:
             reason = f"ran past the end of the record ({len(data)} bytes)"
         except Corrupt as exc:

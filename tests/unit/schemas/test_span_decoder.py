@@ -256,8 +256,25 @@ def _extra_field(raw: dict[str, Any]) -> None:
     raw["fields"].append({"name": "sampler", "type": ["null", "string"], "default": None})
 
 
-@pytest.mark.parametrize("change", [_retype_end_time, _extra_field])
-def test_create_refuses_a_span_schema_it_does_not_know(tmp_path: Path, change: Any) -> None:
+def _reorder_unions(raw: dict[str, Any]) -> None:
+    fields = {f["name"]: f for f in raw["fields"]}
+    fields["attributes"]["type"]["values"].reverse()
+    for name in ("parent_span_id", "rollout_id", "attempt_id", "task_id", "llm"):
+        fields[name]["type"].reverse()
+    fields["status"]["type"]["fields"][1]["type"].reverse()
+
+
+def _kind_enum(raw: dict[str, Any]) -> None:
+    next(f for f in raw["fields"] if f["name"] == "kind")["type"] = {
+        "type": "enum", "name": "SpanKind", "symbols": ["INTERNAL", "CLIENT", "SERVER", "PRODUCER", "CONSUMER"]}
+
+
+def _three_branch_union(raw: dict[str, Any]) -> None:
+    next(f for f in raw["fields"] if f["name"] == "parent_span_id")["type"] = ["null", "string", "long"]
+
+
+@pytest.mark.parametrize("change", [_kind_enum, _three_branch_union])
+def test_create_refuses_a_span_schema_it_cannot_read(tmp_path: Path, change: Any) -> None:
     codec = _catalog_with(tmp_path, change)
     assert FastSpanDecoder.create(codec) is None
     assert codec._by_fingerprint[codec.catalog.latest("Span").fingerprint].fast is None
@@ -265,21 +282,29 @@ def test_create_refuses_a_span_schema_it_does_not_know(tmp_path: Path, change: A
     assert record["name"] == "n" * 200
 
 
-def test_union_orders_come_from_the_schema(tmp_path: Path) -> None:
-    """Branches reordered (a different schema, so a different fingerprint): still read right."""
-    def reorder(raw: dict[str, Any]) -> None:
-        fields = {f["name"]: f for f in raw["fields"]}
-        fields["attributes"]["type"]["values"].reverse()
-        for name in ("parent_span_id", "rollout_id", "attempt_id", "task_id", "llm"):
-            fields[name]["type"].reverse()
-        fields["status"]["type"]["fields"][1]["type"].reverse()
+def test_create_refuses_when_the_self_check_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = Codec()
+    roundtrip = codec.reference_roundtrip
 
-    codec = _catalog_with(tmp_path, reorder)
+    def off_by_one(record: str, value: dict[str, Any]) -> tuple[bytes, int, dict[str, Any]]:
+        data, offset, reference = roundtrip(record, value)
+        return data, offset, {**reference, "end_time_ns": reference["end_time_ns"] + 1}
+
+    monkeypatch.setattr(codec, "reference_roundtrip", off_by_one)
+    assert FastSpanDecoder.create(codec) is None
+
+
+@pytest.mark.parametrize("change", [_retype_end_time, _extra_field, _reorder_unions])
+def test_the_layout_comes_from_the_schema(tmp_path: Path, change: Any) -> None:
+    """A retyped field, an added field, reordered union branches: a different schema (so a different
+    fingerprint), still read right."""
+    codec = _catalog_with(tmp_path, change)
+    assert codec._by_fingerprint[codec.catalog.latest("Span").fingerprint].fast is not None
     fast = FastSpanDecoder.create(codec)
     assert fast is not None
-    data, offset, reference = codec.reference_roundtrip("Span", sample_record())
-    assert same(fast.decode(data, offset), reference)
-    assert codec._by_fingerprint[codec.catalog.latest("Span").fingerprint].fast is not None
+    for sample in (sample_record(), sample_record(empty=True), random_span(random.Random(3))):
+        data, offset, reference = codec.reference_roundtrip("Span", sample)
+        assert same(fast.decode(data, offset), reference)
 
 
 _PARENT_AT = 10 + 33 + 17  # header, trace id, span id: the parent span id's union position
