@@ -2,15 +2,15 @@
 
 Why not just fastavro: ``schemaless_reader`` interprets the schema for every value it reads, about
 34 µs for a small span of ~330 bytes, 17 % of the stream worker's CPU on small spans. Reading the
-known layout with readers built once from the schema (schemas/avro_readers.py) costs less.
+known layout with a function generated once from the schema costs less.
 
-The mirror of :mod:`boltstream.producers.span_encoder`, with the same safety: the layout is the
-Span schema with the packed token payloads (schemas/packed.py); union branch orders, the attribute
-array records and the ``llm`` fields are derived from the schema the codec actually uses, and on
-construction both sample spans of the encoder are read both ways; unless the results are equal,
-:meth:`FastSpanDecoder.create` returns ``None`` and the codec keeps fastavro. Only single-object
-records written with the newest Span schema come here (the codec's fingerprint fast path); older
-writers need schema resolution and stay with fastavro.
+The mirror of :mod:`boltstream.producers.span_encoder`, with the same safety: the reader is compiled
+from the schema the codec actually uses (schemas/avro_compiled.py), the packed token payloads are
+unpacked as the codec unpacks them (schemas/packed.py), and on construction both sample spans of the
+encoder are read both ways; unless the results are equal, :meth:`FastSpanDecoder.create` returns
+``None`` and the codec keeps fastavro. Only single-object records written with the newest Span schema
+come here (the codec's fingerprint fast path); older writers need schema resolution and stay with
+fastavro, as does the Confluent framing.
 
 Bad bytes raise ``SchemaError`` wherever fastavro would fail (the stream app dead-letters them), and
 nowhere else: the readers read odd bytes as fastavro's C reader does (see schemas/avro_readers.py).
@@ -26,9 +26,10 @@ from typing import Any
 from .avro_compiled import compile_record
 from .avro_readers import Corrupt
 from .errors import SchemaError
-from .packed import TOKEN_FIELDS, as_array, has_packed_fields, unpack, wire_name
+from .packed import has_packed_fields, unpack_record
 
 log = logging.getLogger(__name__)
+
 
 class FastSpanDecoder:
     """``decode(data, offset) -> dict``: exactly what ``Codec.decode(data, expect="Span")`` returns for
@@ -74,12 +75,9 @@ class FastSpanDecoder:
                 raise SchemaError(f"truncated {self.label} record: {len(data)} bytes, {pos} read")
             if pos != len(data):
                 raise SchemaError(f"corrupt {self.label} record: {len(data) - pos} bytes left over after the record")
-            llm = record.get("llm")
-            if self._packed and llm is not None:
+            if self._packed:  # as Codec._read does
                 try:
-                    for field, kind in TOKEN_FIELDS:
-                        raw = llm.pop(wire_name(field, kind))
-                        llm[field] = unpack(raw, kind, field) if raw else as_array(llm.get(field) or (), kind)
+                    unpack_record("Span", record)
                 except SchemaError as exc:
                     raise SchemaError(f"corrupt {self.label} record: {exc.reason}") from None
             return record
