@@ -57,6 +57,7 @@ CONFLUENT_MAGIC = 0
 _SINGLE_HEADER_LEN = 10  # C3 01 + 8-byte fingerprint
 _CONFLUENT_HEADER_LEN = 5  # 00 + 4-byte id
 _BYTES_TYPES = (bytes, bytearray, memoryview)
+_FAST_SPAN: dict[bytes, Any] = {}  # Span schema fingerprint -> its verified FastSpanDecoder, or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +198,15 @@ class Codec:
 
     def _attach_fast_span(self) -> None:
         """Newest-Span single-object records are read by the hand-written decoder when it agrees with
-        fastavro (a ~17 % CPU share of the stream worker on small spans); older writers keep fastavro."""
+        fastavro (a ~17 % CPU share of the stream worker on small spans); older writers keep fastavro.
+        Built and verified once per schema (~4 ms) and shared: it depends on nothing else."""
         from .span_decoder import FastSpanDecoder
 
-        fast = FastSpanDecoder.create(self)
+        fingerprint = self.catalog.latest("Span").fingerprint
+        if fingerprint not in _FAST_SPAN:
+            _FAST_SPAN[fingerprint] = FastSpanDecoder.create(self)
+        fast = _FAST_SPAN[fingerprint]
         if fast is not None:
-            fingerprint = self.catalog.latest("Span").fingerprint
             self._by_fingerprint[fingerprint] = replace(self._by_fingerprint[fingerprint], fast=fast.decode)
 
     def _confluent_header(self, writer: _Writer, topic: str | None) -> bytes:
