@@ -11,8 +11,8 @@ UTF-8. What fastavro refuses raises :class:`Corrupt` (a reason), ``IndexError`` 
 data) or ``UnicodeDecodeError``; the caller turns them into ``SchemaError``.
 
 Speed comes from reading the common case without calls: one-byte varints and string lengths come
-from tables, a null union position or an empty array is one byte compared, map keys and string
-values are read inline, and the two 9-byte timestamp varints of a span are half cached.
+from tables, map keys and string values are read inline, and the two 9-byte timestamp varints of a
+span are half cached. schemas/avro_compiled.py inlines the same reads for a record's own fields.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ _SCALARS = {"string": STRING, "null": NULL, "long": LONG, "boolean": BOOL, "doub
 
 
 class Corrupt(Exception):
-    """Internal: the reason a record cannot be read (the codec adds the label and the topic)."""
+    """Why bytes cannot be read (FastSpanDecoder.decode makes it a SchemaError with the record's label)."""
 
 
 def read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    """(value, next position) of a zig-zag read_varint, read as fastavro's C ``read_long`` reads it.
+    """(value, next position) of a zig-zag varint, read as fastavro's C ``read_long`` reads it.
 
-    Nanosecond timestamps (two 9-byte varints per span, ~4 µs each with the byte loop on this box)
-    take a fast path, the encoder's in reverse: bytes 4-8 (bits 28-62) are shared by every timestamp
+    Nanosecond timestamps (two 9-byte varints per span, the costliest reads of a small span with the
+    byte loop) take a fast path, the encoder's in reverse: bytes 4-8 (bits 28-62) are shared by every timestamp
     of a ~0.13 s window, so their value comes from a small cache keyed by those bytes, and the low
     28 bits are gathered from bytes 0-3 arithmetically."""
     b = data[pos]
@@ -126,8 +126,7 @@ def _boolean(data: bytes, pos: int) -> tuple[bool, int]:
 
 _PRIMITIVES: dict[str, Callable[[bytes, int], tuple[Any, int]]] = {
     "string": read_string, "int": read_varint, "long": read_varint, "bytes": _bytes,
-    "double": _fixed("double"),
-    "float": _fixed("float"), "boolean": _boolean}
+    "double": _fixed("double"), "float": _fixed("float"), "boolean": _boolean}
 
 
 def reader(typ: Any, named: dict[str, Any]) -> Callable[[bytes, int], tuple[Any, int]]:
@@ -170,23 +169,18 @@ def _optional(union: list[Any], read: Callable[[bytes, int], tuple[Any, int]]
 
 
 def null_byte(typ: Any) -> int:
-    """The one-byte read_varint of the null position of a two-branch ``null`` union, else -1."""
+    """The one-byte varint of the null position of a two-branch ``null`` union, else -1."""
     return 2 * typ.index("null") if isinstance(typ, list) and len(typ) == 2 and "null" in typ else -1
 
 
 def _record(typ: dict[str, Any], named: dict[str, Any]) -> Callable[[bytes, int], tuple[dict[str, Any], int]]:
-    # (name, reader, the byte of a null union position or -1): most optional fields are null, and
-    # testing one byte costs less than a call.
-    fields = [(f["name"], reader(f["type"], named), null_byte(f["type"])) for f in typ["fields"]]
+    """Reader of a nested record off the hot path (span events; schemas/avro_compiled.py inlines the rest)."""
+    fields = [(f["name"], reader(f["type"], named)) for f in typ["fields"]]
 
     def record(data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         out = {}
-        for name, read, null in fields:
-            if null != -1 and data[pos] == null:
-                out[name] = None
-                pos += 1
-            else:
-                out[name], pos = read(data, pos)
+        for name, read in fields:
+            out[name], pos = read(data, pos)
         return out, pos
 
     return record
@@ -204,8 +198,6 @@ def _array(items: Any, named: dict[str, Any]) -> Callable[[bytes, int], tuple[li
         return out, pos
 
     def read_array(data: bytes, pos: int) -> tuple[list[Any], int]:
-        if data[pos] == 0:  # empty: the legacy token arrays of every record written today
-            return [], pos + 1
         n, pos = _blocks(data, pos)
         out: list[Any] = []
         while n:
