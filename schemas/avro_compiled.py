@@ -20,13 +20,12 @@ from typing import Any
 from .avro_readers import LEN, ZZ, null_byte, read_string, read_varint, reader
 
 
-def compile_record(schema: dict[str, Any], named: dict[str, Any] | None = None
-                   ) -> Callable[[bytes, int], tuple[dict[str, Any], int]]:
+def compile_record(schema: dict[str, Any]) -> Callable[[bytes, int], tuple[dict[str, Any], int]]:
     """``(data, pos) -> (record, next pos)`` for a record schema; ``ValueError`` for a type the readers
     do not read."""
     env: dict[str, Any] = {"LEN": LEN, "ZZ": ZZ, "read_string": read_string, "read_varint": read_varint}
     lines = ["def read(data, pos):"]
-    value = _emit(schema, named if named is not None else {}, env, lines, 1, itertools.count())
+    value = _emit(schema, {}, env, lines, 1, itertools.count())
     lines.append(f"    return {value}, pos")
     source = "\n".join(lines) + "\n"
     exec(compile(source, f"<compiled reader of {schema.get('name')}>", "exec"), env)
@@ -47,7 +46,7 @@ def _emit(typ: Any, named: dict[str, Any], env: dict[str, Any], lines: list[str]
     """Append the code reading one value of ``typ`` at ``pos``; return the local holding it."""
     pad = "    " * depth
     v = f"v{next(ids)}"
-    if isinstance(typ, str) and typ not in ("string", "int", "long") and typ in named:
+    if isinstance(typ, str) and typ in named:  # a record defined earlier in the schema
         typ = named[typ]
     if typ == "string":
         lines += [f"{pad}n = LEN[data[pos]]",  # -1: a longer or a negative length, for read_string
