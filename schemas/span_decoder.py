@@ -27,6 +27,7 @@ from .avro_compiled import compile_record
 from .avro_readers import Corrupt
 from .errors import SchemaError
 from .packed import has_packed_fields, unpack_record
+from .span_sample import sample_record
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ class FastSpanDecoder:
     def create(cls, codec: Any) -> FastSpanDecoder | None:
         """A decoder for the newest Span schema of ``codec``, verified against fastavro; None (keep
         fastavro) if the schema has a shape this module does not read or any result differs."""
-        from boltstream.producers.span_encoder import sample_record  # the encoder's self-check records
 
         try:
             latest = codec.catalog.latest("Span")
