@@ -142,6 +142,7 @@ def test_rows_returned_rewards_a_query_that_found_something() -> None:
     assert rows_returned(tool("3")) == 0.1
     assert rows_returned(tool('{"content": "Oslo", "type": "tool"}')) == 0.1  # a ToolMessage as JSON
     assert rows_returned(tool("(no rows)")) is None
+    assert rows_returned(tool("0")) is None  # a count of nothing: what a made-up filter returns
     assert rows_returned(tool('{"content": "(no rows)"}')) is None
     assert rows_returned(tool("3", code="ERROR")) is None  # the query failed: tool_error's business
     assert rows_returned(tool("3", name="answerer")) is None
@@ -154,3 +155,23 @@ def test_easy_first_puts_joins_last_and_keeps_the_order_within() -> None:
     tasks = [{"id": 1, "kind": "customer_orders"}, {"id": 2, "kind": "price"},
              {"id": 3, "kind": "product_quantity"}, {"id": 4, "kind": "city_count"}]
     assert [t["id"] for t in easy_first(tasks)] == [2, 4, 1, 3]
+
+
+def test_quotes_the_question_rewards_filtering_by_a_value_the_question_names() -> None:
+    import json
+
+    from boltstream.examples.sql.air_rules import quotes_the_question
+
+    def call(question: str, reply: str) -> dict:
+        asked = [{"role": "system", "content": "You write SQL"}, {"role": "user", "content": question}]
+        said = [{"role": "assistant", "content": reply, "finish_reason": "stop"}]
+        return {"name": "chat policy", "attributes": {"gen_ai.input.messages": json.dumps(asked),
+                                                      "gen_ai.output.messages": json.dumps(said)}}
+
+    q = "How many customers live in Oslo?"
+    assert quotes_the_question(call(q, "SELECT COUNT(*) FROM customers WHERE city = 'Oslo'")) == 0.1
+    assert quotes_the_question(call(q, "SELECT COUNT(*) FROM customers WHERE city = 'oslo'")) == 0.1
+    assert quotes_the_question(call(q, "SELECT COUNT(*) FROM orders WHERE customer_id = 1000")) is None
+    assert quotes_the_question(call(q, "SELECT COUNT(*) FROM customers WHERE city = 'Paris'")) is None
+    assert quotes_the_question(call(q, "SELECT * FROM t WHERE x = 'O'")) is None  # one letter is no value
+    assert quotes_the_question({"name": "execute_sql", "attributes": {"output.value": "3"}}) is None
