@@ -114,15 +114,20 @@ def worker_env(settings: Any, folder: str) -> dict[str, str]:
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def serving_args(description: str, out: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options both serving benchmarks take (this one and bench_serving_adapters.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "serving.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS / out))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = serving_args(__doc__.split("\n\n")[0], "serving.json", argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as d, embedded_stack(d) as settings:
         env = worker_env(settings, d)

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from aiokafka import AIOKafkaProducer
 from bench_reload import lora_checkpoints
-from bench_serving import concurrent, requests, summarise, worker_env
+from bench_serving import concurrent, requests, serving_args, summarise, worker_env
 
 from boltstream import s3
 from boltstream.inference.launch import WorkerProcess
@@ -107,14 +107,7 @@ async def run(one: str, two: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "serving_adapters.json"))
-    args = p.parse_args(argv)
+    args = serving_args(__doc__.split("\n\n")[0], "serving_adapters.json", argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-adapters-") as d, embedded_stack(d) as settings:
         env = worker_env(settings, d)
