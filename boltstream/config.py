@@ -141,6 +141,11 @@ class Settings:
         if not self.s3_bucket:
             raise ConfigError("s3_bucket", self.s3_bucket, "must not be empty")
 
+    @property
+    def compression_type(self) -> str | None:
+        """``compression`` as Kafka clients (aiokafka, faust) take it: None for none."""
+        return None if self.compression == "none" else self.compression
+
     def topic(self, name: str) -> str:
         """Full topic name for a short name such as ``spans``."""
         return f"{self.namespace}{name}"

@@ -115,7 +115,7 @@ def producer_kwargs(settings: Settings, **overrides: Any) -> dict[str, Any]:
     kwargs = client_kwargs(settings)
     kwargs.update(
         acks="all",
-        compression_type=None if settings.compression == "none" else settings.compression,
+        compression_type=settings.compression_type,
         linger_ms=DEFAULT_LINGER_MS,
         max_request_size=settings.max_message_bytes,
         enable_idempotence=False,

@@ -270,9 +270,15 @@ class FastSpanEncoder:
             pair = (k, t, v)  # the type too: True == 1 == 1.0 share a hash
             kv = scalars.get(pair)
             if kv is None:  # a number seen under this name before (settings, counts) costs one lookup
-                kv = self._key(k) + (self._null if v is None else self._bool + (b"\x01" if v else b"\x00")
-                                     if t is bool else self._long + _long(v) if t is int
-                                     else self._double + _pack_d(v))
+                if v is None:
+                    value = self._null
+                elif t is bool:
+                    value = self._bool + (b"\x01" if v else b"\x00")
+                elif t is int:
+                    value = self._long + _long(v)
+                else:
+                    value = self._double + _pack_d(v)
+                kv = self._key(k) + value
                 if len(scalars) > 50_000:
                     scalars.clear()
                 scalars[pair] = kv

@@ -93,7 +93,7 @@ def faust_settings(config: StreamConfig, datadir: str) -> dict[str, Any]:
         "consumer_max_fetch_size": max(s.max_message_bytes, 1_048_576),
         "broker_max_poll_records": MAX_POLL_RECORDS,
         "producer_acks": -1,
-        "producer_compression_type": None if s.compression == "none" else s.compression,
+        "producer_compression_type": s.compression_type,
         "producer_linger": 0.002,
         "producer_max_request_size": s.max_message_bytes,
         "key_serializer": "raw",
