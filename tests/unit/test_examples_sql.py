@@ -54,6 +54,31 @@ def test_splits_are_seeded_disjoint_and_answered_by_the_database() -> None:
         tasks.train_test(n_train=1000, n_test=10)
 
 
+def test_question_sets_are_named_and_the_default_split_is_unchanged() -> None:
+    assert tasks.kinds_named("mixed") == tasks.KIND_SETS["mixed"] and len(tasks.all_questions()) == 81
+    counts = tasks.kinds_named("counts")
+    questions = tasks.all_questions(0, counts)
+    assert {q["kind"] for q in questions} == set(counts) and len(questions) == 44
+    assert all(q["sql"].startswith("SELECT COUNT(*) FROM ") and " JOIN " not in q["sql"] for q in questions)
+    assert "How many products cost more than 50?" not in {q["question"] for q in questions}  # the worked example
+    assert tasks.kinds_named("price, counts,price") == ("price", *counts)
+    assert set(tasks.kinds_named("all")) == set(tasks.TEMPLATES)
+    with pytest.raises(ValueError, match="unknown question kind 'countz'"):
+        tasks.kinds_named("countz")
+    train, test = tasks.train_test(n_train=30, n_test=14, seed=0, kinds=counts)
+    assert {t["kind"] for t in train + test} <= set(counts) and len({t["question"] for t in train + test}) == 44
+
+
+def test_tasks_cli_names_a_bad_kind(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        tasks.main(["--kinds", "nope", "--train", str(tmp_path / "a"), "--test", str(tmp_path / "b")])
+    assert exc.value.code == 2 and "unknown question kind 'nope'" in capsys.readouterr().err
+    assert tasks.main(["--kinds", "counts", "--n-train", "30", "--n-test", "14",
+                       "--train", str(tmp_path / "a"), "--test", str(tmp_path / "b")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "b").read_text().splitlines()]
+    assert len(rows) == 14 and all(r["kind"] in tasks.KIND_SETS["counts"] for r in rows)
+
+
 @pytest.mark.parametrize(("answer", "expected", "value"), [
     ("3", "3", 1.0), ("3.0", "3", 1.0), (" 3. ", "3", 1.0), ("4", "3", 0.0), (None, "3", 0.0),
     ("'porto'", "Porto", 1.0), ("Lyon", "Porto", 0.0), ("three", "3", 0.0),
