@@ -269,6 +269,10 @@ def stop_on_sigterm() -> None:
     """``kill PID`` ends a run as Ctrl-C does: the children (own sessions) are stopped, not orphaned."""
 
     def interrupt(signum: int, frame: Any) -> None:
+        # Why say so: a learner is given up to 300 s to publish the step it is in, and a run that
+        # goes quiet after `kill` looks hung. A second signal interrupts that wait.
+        log.warning("signal %d: stopping the run; a learner may take up to 300 s to publish the step it is in "
+                    "(a second signal stops waiting for it)", signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)

@@ -58,11 +58,12 @@ def test_worker_counter_is_zero_when_the_worker_is_gone(metrics_port: int) -> No
     assert worker_counter(closed, "boltstream_inference_spans_total") == 0.0
 
 
-def test_sigterm_ends_a_run_like_ctrl_c() -> None:
+def test_sigterm_ends_a_run_like_ctrl_c_and_says_what_it_waits_for(caplog) -> None:
     previous = signal.getsignal(signal.SIGTERM)
     try:
         stop_on_sigterm()
-        with pytest.raises(KeyboardInterrupt):
+        with caplog.at_level("WARNING", logger="boltstream.runs.train"), pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler at its next bytecode
+        assert "up to 300 s" in caplog.text and "a second signal" in caplog.text
     finally:
         signal.signal(signal.SIGTERM, previous)
