@@ -200,3 +200,26 @@ def test_quotes_the_question_rewards_filtering_by_a_value_the_question_names() -
     assert quotes_the_question(call(q, "SELECT COUNT(*) FROM customers WHERE city = 'Paris'")) is None
     assert quotes_the_question(call(q, "SELECT * FROM t WHERE x = 'O'")) is None  # one letter is no value
     assert quotes_the_question({"name": "execute_sql", "attributes": {"output.value": "3"}}) is None
+
+
+def test_the_readmes_learning_run_is_what_the_cli_accepts(tmp_path, monkeypatch) -> None:
+    """The documented defaults (examples/sql/README.md) must keep parsing as the code changes."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from boltstream.runs.train import config_from_args, parser
+
+    readme = (Path(tasks.__file__).parent / "README.md").read_text()
+    block = readme.split("## The run that learns", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(c) for c in re.sub(r"\\\n\s*", " ", block).strip().splitlines()]
+    make_tasks, train = commands
+    assert make_tasks[:3] == ["python", "-m", "boltstream.examples.sql.tasks"]
+    (tmp_path / "examples").symlink_to(Path(tasks.__file__).parents[1])  # they run from the checkout's root
+    monkeypatch.chdir(tmp_path)  # the commands as typed
+    assert tasks.main(make_tasks[3:]) == 0
+    args = parser().parse_args(train[train.index("train") + 1:])
+    assert "SQL_MODEL_WRITER=writer" in train and train[train.index("boltstream") - 1] == "none"
+    cfg = config_from_args(args, tmp_path, agent=args.agent, train=args.train, test=args.test)
+    assert len(args.test.read_text().splitlines()) == 14
+    assert (cfg.roles, cfg.frozen_roles, cfg.group_size) == (("writer=^sql_writer$",), ("answerer=^answerer$",), 8)
