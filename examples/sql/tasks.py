@@ -123,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-test", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default="mixed",
-                   help="question kinds: 'mixed' (lookups, counts, joins), 'counts' (single-table COUNT questions), "
-                        "'all', or template "
-                        f"names, comma-separated ({', '.join(TEMPLATES)})")
+                   help="comma-separated sets ('mixed': lookups, counts, joins; 'counts': single-table COUNT "
+                        f"questions; 'all') or templates ({', '.join(TEMPLATES)})")
     p.add_argument("--easy-first", action="store_true",
                    help="order the training tasks single-table questions first, joins last (a curriculum: "
                         "the runner takes tasks in file order)")
