@@ -21,6 +21,7 @@ controls the test could pass on noise.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ EVAL_PROMPTS = 256
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread() -> Iterator[None]:
     """Tensors this small gain nothing from intra-op threads, and on a busy 2-core machine two threads
     that spin-wait on each other made the same run 10x slower."""
     threads = torch.get_num_threads()
@@ -70,21 +71,21 @@ def reward(responses: torch.Tensor) -> torch.Tensor:
     return (responses == TARGET).float().mean(dim=1)
 
 
-def prompts(n: int, generator: torch.Generator) -> torch.Tensor:
+def random_prompts(n: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(3, VOCAB, (n, PROMPT_LEN), generator=generator)
 
 
 def evaluate(model: torch.nn.Module) -> tuple[float, float]:
     """(mean reward, its standard error) over the same ``EVAL_PROMPTS`` prompts and sampling seed every time."""
     generator = torch.Generator().manual_seed(1234)
-    rewards = reward(sample(model, prompts(EVAL_PROMPTS, generator), generator)[0])
+    rewards = reward(sample(model, random_prompts(EVAL_PROMPTS, generator), generator)[0])
     return float(rewards.mean()), float(rewards.std() / math.sqrt(len(rewards)))
 
 
 def step_samples(model: torch.nn.Module, step: int, generator: torch.Generator) -> list[dict]:
     """One learner step's samples: ``GROUPS`` GRPO groups, as the stream app emits them."""
     codec = Codec()
-    group_prompts = prompts(GROUPS, generator)
+    group_prompts = random_prompts(GROUPS, generator)
     responses, logprobs = sample(model, group_prompts.repeat_interleave(GROUP_SIZE, dim=0), generator)
     rewards = reward(responses)
     samples = []
