@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.boltstream-installed
 PIP_Q  := --quiet --disable-pip-version-check
 
-.PHONY: demo test test-unit test-integration bench chaos fuzz lint format clean
+.PHONY: demo seeds test test-unit test-integration bench chaos fuzz lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 demo: $(STAMP)
 	$(VENV)/bin/boltstream demo $(DEMO_ARGS)
+
+# The demo on seeds 0-3, one after the other, as the README's table (SEEDS_ARGS: --seeds 0,1 --extra="--steps 12"
+# --update-readme ...); benchmarks/results/demo_seeds.md and .json.
+seeds: $(STAMP)
+	$(PY) benchmarks/demo_seeds.py $(SEEDS_ARGS)
 
 # One pytest worker per core (TEST_WORKERS=0: one process): most integration tests wait on
 # process start-ups and consumer-group joins, so two run in the time of one on 2 cores.
