@@ -143,8 +143,8 @@ def replace_block(text: str, content: str, source: str = "README.md") -> str:
 
 
 def summary_path(path: Path) -> Path:
-    """A run folder's summary.json, or the file itself."""
-    return path / "summary.json" if path.is_dir() else path
+    """A run folder's summary.json, or the file itself (a name ending in .json)."""
+    return path if path.suffix == ".json" else path / "summary.json"
 
 
 def load_result(path: Path) -> SeedResult:
