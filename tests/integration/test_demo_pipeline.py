@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from boltstream.runs.pipeline import read_jsonl
@@ -28,3 +29,9 @@ def test_zero_code_demo_trains_a_standalone_agent(tmp_path: Path, boltstream_cmd
     assert "'rollout.dropped_calls': 0" in counters[-1], counters[-1]
     assert "refused" not in (out / "logs" / "agent.log").read_text(), "every feedback was accepted (202)"
     assert json.loads((out / "summary.json").read_text())["learner_peak_rss_mb"] > 0
+    # benchmarks/demo_seeds.py reads a real demo's summary.json (its unit tests use hand-made ones)
+    table = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "benchmarks" / "demo_seeds.py"),
+                            "--summaries", str(out), "--results", str(tmp_path / "results")],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert table.stdout.splitlines()[2].startswith("| 0 | "), table.stdout
