@@ -175,9 +175,9 @@ def parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds: comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
     if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"--seeds: distinct integers, at least one, got {text!r}")
+        raise argparse.ArgumentTypeError(f"distinct integers, at least one, got {text!r}")
     return seeds
 
 
