@@ -4,7 +4,7 @@ In the spirit of nanochat's ``chat_rl.py``, the algorithm reads top to bottom in
 ``_train``, in four numbered sections (:func:`train` only adds the model thread and a work
 directory around it); the machinery lives next door:
 
-* :mod:`.consumer` reassembles split TrainingBatch parts into GRPO groups, drops
+* :mod:`.groups` reassembles split TrainingBatch parts into GRPO groups, drops
   duplicates, stale and malformed samples (counted by reason), and keeps the offset
   bookkeeping that makes resume exact;
 * :mod:`.source` reads the ``batches`` topic (aiokafka, every partition, manual assignment);
@@ -47,13 +47,13 @@ from boltstream.weights.checkpoints import announce_checkpoint
 
 from .checkpointing import LearnerState, fetch_resume, prune, publish
 from .config import LearnerConfig
-from .consumer import GroupAssembler, OffsetTracker
+from .groups import GroupAssembler, OffsetTracker
 from .metrics import MetricsSink, step_record
-from .model_setup import Trainer, vocab_size
+from .model_setup import vocab_size
 from .offline import OfflineData, live_log_end, open_dataset
 from .source import BatchSource, TopicMissingError
 from .step import warmup_lr
-from .trainer import make_trainer
+from .trainer import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)
 

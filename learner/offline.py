@@ -11,7 +11,7 @@ for a recording of a live run: its first groups were sampled by the base policy,
 last by a policy trained for many steps, and a fresh adapter should meet them in that
 order (read partition after partition, every version was in the first step: approx.
 KL 2.99 at step 1). The ordered records feed the online learner's
-:class:`~.consumer.GroupAssembler`: groups are rebuilt from batch ids and part numbers
+:class:`~.groups.GroupAssembler`: groups are rebuilt from batch ids and part numbers
 exactly as online (an export's rows are regrouped into their TrainingBatch records first,
 :func:`boltstream.export.rows.batch_records`), K of them per step, trained by the same
 step code.
@@ -26,7 +26,7 @@ What differs from online, on purpose:
   with an empty dedupe window (a sample is trained once per epoch, duplicates
   within the dataset are dropped as online).
 
-Resume is exact within an epoch by the online rule (:mod:`.consumer`): a record is
+Resume is exact within an epoch by the online rule (:mod:`.groups`): a record is
 named by (partition, offset), for a file (file index, record index), and each
 checkpoint stores the epoch, the epoch's watermarks, the used records above them and
 the dedupe window, next to the live topic's offsets.
@@ -52,7 +52,7 @@ from boltstream.replay_marker import replay_status
 from boltstream.schemas import Codec
 
 from .config import LearnerConfig
-from .consumer import GroupAssembler, OffsetTracker, StepInput
+from .groups import GroupAssembler, OffsetTracker, StepInput
 from .offline_source import TOPIC_PREFIX, OfflineError, parquet_files
 
 logger = logging.getLogger(__name__)
