@@ -7,9 +7,9 @@ Conventions shared by every function here:
   log-probability of the *label* at ``t`` (collate shifts everything to label positions).
 * Log-probabilities are computed in float32 whatever the model's dtype: the importance
   ratio ``exp(new - old)`` amplifies bf16 rounding error into a biased clip fraction.
-* Nothing here materialises ``[N, vocab]`` for all N positions at once. The reference
-  bare loop in issue 7 ran out of 24 GB doing exactly that; vocabularies are 50k-150k
-  wide, so the logits of a few thousand tokens already weigh gigabytes.
+* Nothing here materialises ``[N, vocab]`` for all N positions at once. A bare loop
+  that did ran out of 24 GB: vocabularies are 50k-150k wide, so the logits of a few
+  thousand tokens already weigh gigabytes.
 
 The objective is PPO-clip against the *behaviour* log-probs carried by each sample
 (the inference engine's own numbers), with an optional decoupled / truncated-importance-
