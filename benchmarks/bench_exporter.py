@@ -10,7 +10,7 @@ extends the previous call's prompt + response + 50 tokens unless ``--no-shared-p
 span per call and the rollout root; ``small`` is the mix below (2 LLM calls without token ids, 2
 tools, the root). Throughputs are reported as spans/s and tokens/s, with bytes per encoded span.
 
-0. Capture (issue 20): the inference worker's per-call cost to record a call,
+0. Capture: the inference worker's per-call cost to record a call,
    ``build_llm_span`` + ``SpanRecordEncoder`` (the record dict and its framed Avro
    bytes), for a 4,000 prompt + 500 response token call and for the shape's calls,
    with today's encoding (packed int32/float32 bytes) and the v1 encoding (Avro
@@ -28,7 +28,7 @@ tools, the root). Throughputs are reported as spans/s and tokens/s, with bytes p
    rollouts (an LLM call takes far longer), so exporters work while it waits;
    "saturated": spans back to back, so the exporter thread's CPU (the GIL)
    lands on the agent: an upper bound, reported too.
-2. Export throughput (the issue's "spans/s exported by one process"). The same
+2. Export throughput (spans/s exported by one process). The same
    mix, created beforehand and already finished, fed to each exporter's
    ``export()`` in batches of 512 (what ``BatchSpanProcessor`` does) until every
    span is acknowledged: by the broker (boltstream, on its own embedded stack),
@@ -50,13 +50,13 @@ tools, the root). Throughputs are reported as spans/s and tokens/s, with bytes p
    exporter process' CPU during 2 (buffer hand-off, aiokafka), and the
    broker process' CPU during 2.
 
-5. Spool on vs off (issue 21), interleaved in the same run with the broker up:
+5. Spool on vs off, interleaved in the same run with the broker up:
    the agent thread's start+end cost per span (saturated) and export
    throughput, with ``spool_dir`` unset and set (every span written to disk
    before it is sent). ``--only spool`` runs just this part.
 
-Goals (issue 3): < 20 µs added per span on the agent thread, >= 20,000 spans/s;
-(issue 21) spool on costs <= 10 % of export throughput while the broker is up.
+Goals: < 20 µs added per span on the agent thread, >= 20,000 spans/s;
+spool on costs <= 10 % of export throughput while the broker is up.
 Medians over ``--repeats``. JSON goes to benchmarks/results/exporter_realistic.json
 (``--shape small``: exporter.json; ``--only capture``: exporter_capture.json).
 
@@ -68,7 +68,7 @@ Realistic shape (``--spans 4400 --repeats 2``, load 5.5, another engineer's trai
 box): export 3,378 spans/s = 4.1M tokens/s (OTLP/HTTP 132 spans/s); encode 23 µs per span
 (v1 encoding 391 µs, 16.8x), 6,123 B/span (v1 4,679).
 
-Small mix, before issue 20 (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
+Small mix, before packed token payloads (2-core dev VM, load ~1, 40,000 spans, medians of 3): export
 throughput 37,400 spans/s (OTLP/HTTP 21,800, console 19,900; the code before
 the batch/caching work: 21,400), small spans 61,400/s, end to end 12,500/s
 (SDK alone 41,100/s), 1.5 µs added at ``span.end()``; exporter CPU per span

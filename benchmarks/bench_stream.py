@@ -41,28 +41,28 @@ with the mean encoded bytes per span.
    timestamp (the worker's producer sets it), without the reader's own Tansu fetch wait.
    ``--latency-only`` runs this part alone.
 
-Goals: >= 5,000 spans/s per worker (issue 5, small shape); on the realistic shape
->= 2M tokens/s through one worker and >= 10x the v1 encoding (issue 20); p99 <= 100 ms
-excluding group wait (issue 20; issue 5 asked 250 ms). The load average at start and end is recorded: other processes on the
+Goals: >= 5,000 spans/s per worker (small shape); on the realistic shape
+>= 2M tokens/s through one worker and >= 10x the v1 encoding; p99 <= 100 ms
+excluding group wait. The load average at start and end is recorded: other processes on the
 box (the broker shares the cores too) move every number. JSON goes to
 benchmarks/results/stream_realistic.json (``--shape small``: stream.json).
 
 Realistic shape, default arguments, quiet box (load 0.7), 2026-11-26: pure core 8.09M tokens/s
 vs 0.70M v1 (11.6x); worker while produced 1.92M; backlog drain 1.94M (compression none) and
 2.14M tokens/s (zstd); p99 60 ms (to the batch record: 47 ms) at 20 rollouts/s.
-Earlier, realistic shape, load 2.0 at start (docs/streams.md, "Realistic spans"):
+Earlier, realistic shape, load 2.0 at start (docs/results.md):
 pure core 5.6M tokens/s packed against 0.59M with the v1 encoding (9.4x; 10.4x in a run at
 load 2.3); the worker 1.0M tokens/s by the wall clock, bounded by the bench's producer (7.5
 of 10.7 s), and 2.15M tokens per worker CPU second; p99 135 ms at 20 rollouts/s.
 
-Small shape (before issue 20 the default), measured on the 2-core VM (docs/streams.md has the table):
+Small shape (the default before packed token payloads), measured on the 2-core VM (docs/results.md has the table):
 before batch delivery and the pure-core work, load 0.95 at start: pure core
 7,484 spans/s, worker 1,991 (stock faust 1,800), p99 184 ms; after, load 0.84:
 pure core 20,171, worker 9,660 (stock 2,821), p50 37 ms, p99 200 ms; after,
 load 2.60 with another job's model server on the box: pure core 19,030, worker
 5,446 (stock 1,643), p99 192 ms. That p99 was aiokafka's 100 ms fetch stalls
-at the start of the load (issue 20, streams/transport.py; before/after runs in
-docs/streams.md).
+at the start of the load (fixed in streams/transport.py; before/after runs in
+docs/results.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_vs_bare.py [--steps 8] [--groups-per-step 4] [--group-size 4] [--lr 1e-3]
 
-Issue 7 asks that the pipeline (runners -> inference worker -> broker -> stream
-app -> learner -> S3 checkpoints -> worker reload) reach the held-out score of
+The goal: that the pipeline (runners -> inference worker -> broker -> stream
+app -> learner -> S3 checkpoints -> worker reload) reaches the held-out score of
 a bare loop in at most 1.3x the bare loop's wall time. Both sides here train
 SmolLM2-135M-Instruct + LoRA (r=16 on every linear layer, as the pipeline does) with the
 same lr, temperature, steps, groups per step and group size, on the same

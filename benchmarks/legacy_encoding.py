@@ -1,4 +1,4 @@
-"""The token payload encoding before packed bytes (issue 20), for benchmarks that report today's speed
+"""The token payload encoding before packed bytes, for benchmarks that report today's speed
 as a ratio to it, measured in the same run on the same records.
 
 :func:`legacy_codec` is a real :class:`~boltstream.schemas.Codec` over only the schema versions that

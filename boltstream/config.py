@@ -45,7 +45,7 @@ SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 COMPRESSIONS = ("zstd", "lz4", "snappy", "gzip", "none")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
-# Topic short names; the namespace is prefixed at use (design.md, "Topics").
+# Topic short names; the namespace is prefixed at use (docs/architecture.md, "Topics and keys").
 TOPICS = ("tasks", "spans", "trajectories", "batches", "checkpoints", "dlq")
 # Attempts per task (one GRPO group): the runner starts this many, the stream app waits for them.
 DEFAULT_GROUP_SIZE = 4

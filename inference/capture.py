@@ -115,6 +115,37 @@ def build_llm_span(
     ``adapter``: the named LoRA adapter that answered (``boltstream.adapter``; its version is
     ``policy_version``), so a per-role learner can tell whose policy sampled the tokens.
     """
+    attrs = _llm_attributes(ctx, operation=operation, request_model=request_model, served_model=served_model,
+                            response_id=response_id, prompt_ids=prompt_ids, completion=completion,
+                            choice_index=choice_index, params=params, policy_version=policy_version,
+                            input_messages=input_messages, output_text=output_text, adapter=adapter)
+    return {
+        "trace_id": ctx.trace_id,
+        "span_id": span_id or secrets.token_hex(8),
+        "parent_span_id": ctx.parent_span_id,
+        "name": f"{operation} {request_model}",
+        "kind": "SERVER",
+        "start_time_ns": ctx.start_ns,
+        "end_time_ns": end_ns or time.time_ns(),
+        "status": {"code": "OK", "message": None},
+        "attributes": attrs,
+        "events": [],
+        "resource": resource if resource is not None else default_resource(served_model),
+        "scope": {"name": SCOPE, "version": None},
+        "rollout_id": ctx.ids.get(ROLLOUT_ID),
+        "attempt_id": ctx.ids.get(ATTEMPT_ID),
+        "task_id": ctx.ids.get(TASK_ID),
+        "llm": _llm_block(prompt_ids, completion, params, served_model=served_model,
+                          policy_version=policy_version),
+    }
+
+
+
+def _llm_attributes(ctx: CallContext, *, operation: str, request_model: str, served_model: str, response_id: str,
+                    prompt_ids: list[int], completion: Completion, choice_index: int, params: SamplingParams,
+                    policy_version: int, input_messages: Any, output_text: str | None,
+                    adapter: str | None) -> dict[str, Any]:
+    """The LLM span's attributes: GenAI semantic conventions, boltstream's own, the call's ids."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "boltstream",
@@ -149,39 +180,27 @@ def build_llm_span(
         attrs["gen_ai.output.messages"] = _clip(json.dumps(
             [{"role": "assistant", "content": output_text, "finish_reason": completion.finish_reason}],
             ensure_ascii=False))
-    return {
-        "trace_id": ctx.trace_id,
-        "span_id": span_id or secrets.token_hex(8),
-        "parent_span_id": ctx.parent_span_id,
-        "name": f"{operation} {request_model}",
-        "kind": "SERVER",
-        "start_time_ns": ctx.start_ns,
-        "end_time_ns": end_ns or time.time_ns(),
-        "status": {"code": "OK", "message": None},
-        "attributes": attrs,
-        "events": [],
-        "resource": resource if resource is not None else default_resource(served_model),
-        "scope": {"name": SCOPE, "version": None},
-        "rollout_id": ctx.ids.get(ROLLOUT_ID),
-        "attempt_id": ctx.ids.get(ATTEMPT_ID),
-        "task_id": ctx.ids.get(TASK_ID),
-        "llm": {
-            # Packed once here (struct, in C: ~10 ns per id), so encoding the span is a memcpy.
-            "prompt_token_ids": as_array(prompt_ids, I32),
-            "response_token_ids": as_array(completion.token_ids, I32),
-            "response_logprobs": as_array(completion.logprobs, F32),
-            "model": served_model,
-            "policy_version": policy_version,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "max_tokens": params.max_tokens,
-            "seed": params.seed,
-            "finish_reason": completion.finish_reason,
-            "input_tokens": len(prompt_ids),
-            "output_tokens": len(completion.token_ids),
-        },
-    }
+    return attrs
 
+
+def _llm_block(prompt_ids: list[int], completion: Completion, params: SamplingParams, *, served_model: str,
+               policy_version: int) -> dict[str, Any]:
+    """The span's typed ``llm`` block: token ids and logprobs as the engine produced them, never re-tokenised."""
+    return {
+        # Packed once here (struct, in C: ~10 ns per id), so encoding the span is a memcpy.
+        "prompt_token_ids": as_array(prompt_ids, I32),
+        "response_token_ids": as_array(completion.token_ids, I32),
+        "response_logprobs": as_array(completion.logprobs, F32),
+        "model": served_model,
+        "policy_version": policy_version,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_tokens,
+        "seed": params.seed,
+        "finish_reason": completion.finish_reason,
+        "input_tokens": len(prompt_ids),
+        "output_tokens": len(completion.token_ids),
+    }
 
 
 class SpanSink(Protocol):

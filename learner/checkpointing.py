@@ -44,7 +44,8 @@ from boltstream.weights.checkpoints import (
 )
 
 from .config import LearnerConfig
-from .model_setup import Trainer, state_compatible
+from .model_setup import state_compatible
+from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

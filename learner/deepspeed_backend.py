@@ -36,6 +36,7 @@ from boltstream.processes import free_port
 
 from .collate import split_by_token_budget
 from .config import LearnerConfig
+from .losses import loss_normaliser
 from .model_setup import (
     RNG_FILE,
     adamw,
@@ -102,10 +103,13 @@ def init_distributed(cfg: LearnerConfig) -> None:
 
 
 def _normaliser(samples: list[dict[str, Any]], loss_agg: str) -> float:
-    """Loss denominator of ``samples`` without collating them (same numbers as collate's masks)."""
-    if loss_agg == "token-mean":
-        return float(sum(sum(1 for m in s["loss_mask"][1:] if m) for s in samples))
-    return float(sum(1 for s in samples if any(s["loss_mask"][1:])))
+    """Loss denominator of ``samples``: :func:`~.losses.loss_normaliser` of their collated masks.
+
+    The normaliser is additive over sequences, so it is summed per sample (the mask shifted
+    by one, as :func:`~.collate.collate` shifts it) without padding a batch first.
+    """
+    return float(sum(float(loss_normaliser(torch.as_tensor(s["loss_mask"][1:], dtype=torch.bool).reshape(1, -1),
+                                           loss_agg)) for s in samples))
 
 
 def merge_metrics(parts: list[dict[str, Any]], scales: list[float], samples: list[dict[str, Any]],
@@ -200,9 +204,10 @@ class DeepSpeedTrainer:
         self.engine.train()
         ordered = sorted(samples, key=lambda s: -len(s["token_ids"]))
         mine = ordered[self.rank :: self.world_size]
-        totals = torch.tensor([_normaliser(mine, self.step_cfg.loss_agg)], dtype=torch.float64)
+        local = _normaliser(mine, self.step_cfg.loss_agg)
+        totals = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(totals)
-        local, total = _normaliser(mine, self.step_cfg.loss_agg), max(float(totals[0]), 1.0)
+        total = max(float(totals[0]), 1.0)
         scale = self.world_size * max(local, 1.0) / total  # the step clamps each normaliser at 1 too
         if mine:
             count = len(split_by_token_budget(mine, self.step_cfg.max_tokens_per_micro_batch))

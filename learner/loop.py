@@ -1,10 +1,13 @@
 """The learner: training batches in, optimizer steps, checkpoints out. Read it top to bottom.
 
-In the spirit of nanochat's ``chat_rl.py``, the algorithm reads top to bottom in one function,
-``_train``, in four numbered sections (:func:`train` only adds the model thread and a work
-directory around it); the machinery lives next door:
+In the spirit of nanochat's ``chat_rl.py``, the algorithm reads top to bottom: ``_train`` in four
+numbered sections (1. model, optimizer, resume; 2. data in, checkpoints out; 3. the steps; 4. clean
+exit; :func:`train` only adds the model thread and a work directory around it). The steps are two
+short loops of ``_Run``: ``offline_steps`` over a fixed dataset's epochs (``--offline``) and
+``online_steps`` over the live topic, both calling ``train_step`` (one optimizer step, its
+metrics, a checkpoint every N steps). The machinery lives next door:
 
-* :mod:`.consumer` reassembles split TrainingBatch parts into GRPO groups, drops
+* :mod:`.groups` reassembles split TrainingBatch parts into GRPO groups, drops
   duplicates, stale and malformed samples (counted by reason), and keeps the offset
   bookkeeping that makes resume exact;
 * :mod:`.source` reads the ``batches`` topic (aiokafka, every partition, manual assignment);
@@ -45,15 +48,15 @@ from boltstream.kafka import producer_kwargs, wait_for_broker
 from boltstream.schemas import Codec
 from boltstream.weights.checkpoints import announce_checkpoint
 
-from .checkpointing import LearnerState, fetch_resume, prune, publish
+from .checkpointing import LearnerState, Resumed, fetch_resume, prune, publish
 from .config import LearnerConfig
-from .consumer import GroupAssembler, OffsetTracker
+from .groups import GroupAssembler, OffsetTracker, StepInput
 from .metrics import MetricsSink, step_record
-from .model_setup import Trainer, vocab_size
-from .offline import OfflineData, live_log_end, open_dataset
+from .model_setup import vocab_size
+from .offline import Dataset, OfflineData, live_log_end, open_dataset
 from .source import BatchSource, TopicMissingError
 from .step import warmup_lr
-from .trainer import make_trainer
+from .trainer import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -107,24 +110,8 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     await asyncio.to_thread(s3_mod.ensure_bucket, s3, settings.s3_bucket)
 
     # ------------------------------------------------------------------ 1. model, optimizer, resume
-    # The newest complete checkpoint of the run (if any) is downloaded first, so its weights are in
-    # place before the optimizer (or DeepSpeed's fp32 partitions) are built from them.
-    # An --offline dataset is found (and a topic range resolved) before the model loads, to fail early.
-    backend, world_size = _backend(cfg)
-    resumed = await asyncio.to_thread(fetch_resume, s3, cfg, workdir, backend=backend, world_size=world_size)
-    try:
-        dataset = await open_dataset(cfg, resumed.state.offline) if cfg.offline else None
-        if cfg.offline and resumed.manifest is None:  # a new run: its live offsets are the log end of now
-            resumed.state.offsets = await live_log_end(settings) or {}
-            if cfg.then_online and not resumed.state.offsets:
-                raise TopicMissingError(f"--then-online: topic {settings.topic('batches')} does not exist")
-        trainer = await on_model_thread(make_trainer, cfg, resumed.weights_dir, resumed.state_dir)
-    finally:
-        resumed.cleanup()
+    resumed, dataset, trainer = await _resume(cfg, workdir, s3, on_model_thread)
     state = resumed.state
-    step, version, samples_trained = state.step, state.version, state.samples_trained
-    vocab = vocab_size(trainer.model)
-    result = RunResult(step, version, state.version if resumed.manifest else None, trainer)
 
     # ------------------------------------------------------------------ 2. data in, checkpoints out
     # Reading starts at the checkpoint's offsets; records it had already used above them are skipped.
@@ -140,95 +127,167 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     dlq = DeadLetterWriter(settings, codec, "learner", producer=producer)
     source = BatchSource(settings, assembler, codec=codec, start=state.offsets, dlq=dlq)
     offline = None if dataset is None else OfflineData(cfg, dataset, codec, assembler.dropped, state.offline, say)
-    offline_state = state.offline  # what checkpoints keep once the offline phase is over
-    sink: MetricsSink | None = None
+    run = _Run(cfg, workdir, stop, say, on_model_thread, s3, trainer, state, tracker, source, producer, codec,
+               offline, RunResult(state.step, state.version, state.version if resumed.manifest else None, trainer))
     try:
-        sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)
+        run.sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)
         await producer.start()
         if offline is None:
             await source.start()
-        sink.sync_dropped(assembler.dropped)
-        sink.event("resume", step=step, version=version, run=cfg.run_name, offsets=tracker.positions(),
-                   manifest=resumed.event["manifest_uri"] if resumed.event else None,
-                   offline=offline.state() if offline else None)
+        run.sink.sync_dropped(assembler.dropped)
+        run.sink.event("resume", step=run.step, version=run.version, run=cfg.run_name, offsets=tracker.positions(),
+                       manifest=resumed.event["manifest_uri"] if resumed.event else None,
+                       offline=offline.state() if offline else None)
         if resumed.event is not None:  # a crash may have come between the manifest and its announcement
             await announce_checkpoint(producer, codec, settings.topic("checkpoints"), resumed.event)
-        say(f"ready: step {step} version {version} run {cfg.run_name}")
+        say(f"ready: step {run.step} version {run.version} run {cfg.run_name}")
 
-        async def checkpoint() -> None:
-            t0 = time.perf_counter()
-            snapshot = LearnerState(step=step, version=version, offsets=tracker.positions(),
-                                    used_above=tracker.used_above(), seen=assembler.seen.to_list(),
-                                    dropped=dict(assembler.dropped), samples_trained=samples_trained,
-                                    offline=offline.state() if offline else offline_state)
-            event = await on_model_thread(publish, s3, cfg, trainer, snapshot, source.topic, workdir)
-            await announce_checkpoint(producer, codec, settings.topic("checkpoints"), event)
-            deleted = await asyncio.to_thread(prune, s3, cfg)
-            result.events.append(event)
-            seconds = time.perf_counter() - t0
-            sink.event("checkpoint", step=step, version=version, manifest=event["manifest_uri"],
-                       offsets=snapshot.offsets, used_above=snapshot.used_above, pruned=deleted, seconds=seconds)
-            logger.info("checkpoint v%d published in %.2fs: %s", version, seconds, event["manifest_uri"])
-            say(f"checkpoint v{version} {event['manifest_uri']}")
-
-        # -------------------------------------------------------------- 3. the loop
-        last_checkpoint, last_step_at = step, time.perf_counter()
-        while not stop.is_set() and (cfg.max_steps is None or step < cfg.max_steps):
-            if offline is not None and offline.finished:  # every epoch trained: stop, or go on live
-                offline_state = offline.state()
-                await offline.close()
-                offline = None
-                if not cfg.then_online:
-                    break
+        # -------------------------------------------------------------- 3. the steps
+        # The fixed dataset's epochs first (--offline), then the live topic (online, or --then-online).
+        if offline is not None:
+            await run.offline_steps(offline)
+        if run.offline is None and (dataset is None or cfg.then_online):
+            if dataset is not None:
                 await source.start()
                 say(f"online: reading {source.topic} from {tracker.positions()}")
-            data = offline or source
-
-            # 3a. K complete groups, judged against the current policy version (staleness: online only)
-            inp = data.take_step(cfg.groups_per_step, version, cfg.max_staleness, vocab)
-            if inp is None:
-                idle = time.monotonic() - source.last_record_at
-                if offline is None and cfg.idle_exit_s is not None and idle > cfg.idle_exit_s:
-                    logger.info("no new record for %.1fs: stopping", idle)
-                    break
-                await data.poll(cfg.poll_ms)
-                continue
-
-            # 3b. one optimizer step; aiokafka fetches ahead meanwhile
-            lr = warmup_lr(cfg.lr, step + 1, cfg.lr_warmup_steps)
-            metrics = await on_model_thread(trainer.step, inp.samples, lr)
-            data.assembler.commit(inp)
-            step, version, samples_trained = step + 1, version + 1, samples_trained + len(inp.samples)
-
-            # 3c. metrics: console, Prometheus, JSONL (with the sample ids trained)
-            now = time.perf_counter()
-            record = step_record(step, version, metrics, inp, wall_seconds=now - last_step_at,
-                                 dropped_total=assembler.dropped, lr=lr)
-            epoch = f" epoch {offline.epoch + 1}" if offline is not None else ""
-            if offline is not None:
-                record["epoch"] = offline.epoch + 1
-            last_step_at = now
-            sink.step(record)
-            say(f"step {step} version {version}{epoch}")
-
-            # 3d. every N steps: weights + optimizer + offsets to S3, then the event on `checkpoints`
-            if step % cfg.checkpoint_every == 0:
-                await checkpoint()
-                last_checkpoint = step
+            await run.online_steps()
 
         # -------------------------------------------------------------- 4. clean exit
-        if cfg.checkpoint_on_exit and step > last_checkpoint:
-            await checkpoint()
-        sink.event("stop", step=step, version=version, dropped_total=dict(assembler.dropped))
-        say(f"done: step {step} version {version}")
+        if cfg.checkpoint_on_exit and run.step > run.last_checkpoint:
+            await run.checkpoint()
+        run.sink.event("stop", step=run.step, version=run.version, dropped_total=dict(assembler.dropped))
+        say(f"done: step {run.step} version {run.version}")
     finally:
-        if sink is not None:
-            sink.close()
-        if offline is not None:
-            await offline.close()
+        if run.sink is not None:
+            run.sink.close()
+        if run.offline is not None:
+            await run.offline.close()
         await source.stop()
         await producer.stop()
         trainer.close()
-    result.step, result.version = step, version
-    result.dropped, result.samples_trained = dict(assembler.dropped), samples_trained
+    result = run.result
+    result.step, result.version = run.step, run.version
+    result.dropped, result.samples_trained = dict(assembler.dropped), run.samples_trained
     return result
+
+
+async def _resume(cfg: LearnerConfig, workdir: Path, s3: Any,
+                  on_model_thread: Callable[..., Any]) -> tuple[Resumed, Dataset | None, Trainer]:
+    """The run's newest checkpoint (if any), its offline dataset (if any) and the trainer built from them.
+
+    The checkpoint is downloaded first, so its weights are in place before the optimizer (or
+    DeepSpeed's fp32 partitions) are built from them. An --offline dataset is found (and a
+    topic range resolved) before the model loads, to fail early.
+    """
+    backend, world_size = _backend(cfg)
+    resumed = await asyncio.to_thread(fetch_resume, s3, cfg, workdir, backend=backend, world_size=world_size)
+    try:
+        dataset = await open_dataset(cfg, resumed.state.offline) if cfg.offline else None
+        if cfg.offline and resumed.manifest is None:  # a new run: its live offsets are the log end of now
+            resumed.state.offsets = await live_log_end(cfg.settings) or {}
+            if cfg.then_online and not resumed.state.offsets:
+                raise TopicMissingError(f"--then-online: topic {cfg.settings.topic('batches')} does not exist")
+        trainer = await on_model_thread(make_trainer, cfg, resumed.weights_dir, resumed.state_dir)
+    finally:
+        resumed.cleanup()
+    return resumed, dataset, trainer
+
+
+class _Run:
+    """One run's counters and the components its steps touch, shared by the offline and online phases."""
+
+    def __init__(self, cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Callable[[str], None],
+                 on_model_thread: Callable[..., Any], s3: Any, trainer: Trainer, state: LearnerState,
+                 tracker: OffsetTracker, source: BatchSource, producer: AIOKafkaProducer, codec: Codec,
+                 offline: OfflineData | None, result: RunResult) -> None:
+        self.cfg, self.workdir, self.stop, self.say, self.on_model_thread = cfg, workdir, stop, say, on_model_thread
+        self.s3, self.trainer, self.source, self.producer, self.codec = s3, trainer, source, producer, codec
+        self.tracker = tracker  # the live topic's offsets (an offline epoch keeps its own)
+        self.assembler = source.assembler  # the live one; its `dropped` counts every phase's drops
+        self.offline = offline
+        self.offline_state = state.offline  # what checkpoints keep once the offline phase is over
+        self.result = result
+        self.sink: MetricsSink | None = None
+        self.vocab = vocab_size(trainer.model)
+        self.step, self.version, self.samples_trained = state.step, state.version, state.samples_trained
+        self.last_checkpoint, self.last_step_at = state.step, time.perf_counter()
+
+    def running(self) -> bool:
+        return not self.stop.is_set() and (self.cfg.max_steps is None or self.step < self.cfg.max_steps)
+
+    async def offline_steps(self, offline: OfflineData) -> None:
+        """Steps over the fixed dataset until every epoch is trained (then the offline phase is over)."""
+        while self.running():
+            if offline.finished:
+                self.offline_state = offline.state()
+                await offline.close()
+                self.offline = None
+                return
+            inp = offline.take_step(self.cfg.groups_per_step, self.version, self.cfg.max_staleness, self.vocab)
+            if inp is None:
+                await offline.poll(self.cfg.poll_ms)
+                continue
+            await self.train_step(offline, inp)
+
+    async def online_steps(self) -> None:
+        """Steps from the live topic until the run stops (``stop``, ``max_steps``, ``idle_exit_s``)."""
+        cfg, source = self.cfg, self.source
+        while self.running():
+            # K complete groups, judged against the current policy version (staleness: online only)
+            inp = source.take_step(cfg.groups_per_step, self.version, cfg.max_staleness, self.vocab)
+            if inp is None:
+                idle = time.monotonic() - source.last_record_at
+                if cfg.idle_exit_s is not None and idle > cfg.idle_exit_s:
+                    logger.info("no new record for %.1fs: stopping", idle)
+                    return
+                await source.poll(cfg.poll_ms)
+                continue
+            await self.train_step(source, inp)
+
+    async def train_step(self, data: OfflineData | BatchSource, inp: StepInput) -> None:
+        """One optimizer step on ``inp`` (taken from ``data``), its metrics, and every N steps a checkpoint."""
+        cfg = self.cfg
+        # one optimizer step; aiokafka fetches ahead meanwhile
+        lr = warmup_lr(cfg.lr, self.step + 1, cfg.lr_warmup_steps)
+        metrics = await self.on_model_thread(self.trainer.step, inp.samples, lr)
+        data.assembler.commit(inp)
+        self.step, self.version = self.step + 1, self.version + 1
+        self.samples_trained += len(inp.samples)
+
+        # metrics: console, Prometheus, JSONL (with the sample ids trained)
+        now = time.perf_counter()
+        record = step_record(self.step, self.version, metrics, inp, wall_seconds=now - self.last_step_at,
+                             dropped_total=self.assembler.dropped, lr=lr)
+        epoch = ""
+        if isinstance(data, OfflineData):
+            record["epoch"] = data.epoch + 1
+            epoch = f" epoch {data.epoch + 1}"
+        self.last_step_at = now
+        assert self.sink is not None
+        self.sink.step(record)
+        self.say(f"step {self.step} version {self.version}{epoch}")
+
+        # every N steps: weights + optimizer + offsets to S3, then the event on `checkpoints`
+        if self.step % cfg.checkpoint_every == 0:
+            await self.checkpoint()
+            self.last_checkpoint = self.step
+
+    async def checkpoint(self) -> None:
+        """Publish weights, training state and offsets to S3, announce them, prune old checkpoints."""
+        cfg, assembler, tracker = self.cfg, self.assembler, self.tracker
+        t0 = time.perf_counter()
+        snapshot = LearnerState(step=self.step, version=self.version, offsets=tracker.positions(),
+                                used_above=tracker.used_above(), seen=assembler.seen.to_list(),
+                                dropped=dict(assembler.dropped), samples_trained=self.samples_trained,
+                                offline=self.offline.state() if self.offline else self.offline_state)
+        event = await self.on_model_thread(publish, self.s3, cfg, self.trainer, snapshot, self.source.topic,
+                                           self.workdir)
+        await announce_checkpoint(self.producer, self.codec, cfg.settings.topic("checkpoints"), event)
+        deleted = await asyncio.to_thread(prune, self.s3, cfg)
+        self.result.events.append(event)
+        seconds = time.perf_counter() - t0
+        assert self.sink is not None
+        self.sink.event("checkpoint", step=self.step, version=self.version, manifest=event["manifest_uri"],
+                        offsets=snapshot.offsets, used_above=snapshot.used_above, pruned=deleted, seconds=seconds)
+        logger.info("checkpoint v%d published in %.2fs: %s", self.version, seconds, event["manifest_uri"])
+        self.say(f"checkpoint v{self.version} {event['manifest_uri']}")

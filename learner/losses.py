@@ -7,9 +7,9 @@ Conventions shared by every function here:
   log-probability of the *label* at ``t`` (collate shifts everything to label positions).
 * Log-probabilities are computed in float32 whatever the model's dtype: the importance
   ratio ``exp(new - old)`` amplifies bf16 rounding error into a biased clip fraction.
-* Nothing here materialises ``[N, vocab]`` for all N positions at once. The reference
-  bare loop in issue 7 ran out of 24 GB doing exactly that; vocabularies are 50k-150k
-  wide, so the logits of a few thousand tokens already weigh gigabytes.
+* Nothing here materialises ``[N, vocab]`` for all N positions at once. A bare loop
+  that did ran out of 24 GB: vocabularies are 50k-150k wide, so the logits of a few
+  thousand tokens already weigh gigabytes.
 
 The objective is PPO-clip against the *behaviour* log-probs carried by each sample
 (the inference engine's own numbers), with an optional decoupled / truncated-importance-
@@ -359,7 +359,6 @@ def ppo_clip_loss(
     penalty). Aggregation follows :func:`aggregate_loss`.
     """
     mask_b = mask.bool()
-    maskf = mask_b.to(torch.float32)
     logprobs = logprobs.float()
     behaviour = behaviour_logprobs.float().detach()
     advantages = advantages.float().detach()
@@ -377,11 +376,7 @@ def ppo_clip_loss(
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
 
     if proximal_logprobs is not None:
-        log_w = torch.where(mask_b, anchor - behaviour, torch.zeros_like(anchor))
-        is_weight = torch.exp(log_w)
-        truncated = (is_weight > is_cap) if is_cap is not None else torch.zeros_like(mask_b)
-        if is_cap is not None:
-            is_weight = torch.clamp(is_weight, max=is_cap)
+        is_weight, truncated = _importance_weights(anchor, behaviour, mask_b, is_cap)
         per_token = per_token * is_weight
     else:
         is_weight = torch.ones_like(logprobs)
@@ -396,6 +391,27 @@ def ppo_clip_loss(
 
     loss = aggregate_loss(per_token, mask_b, loss_agg, weights=weights, normaliser=normaliser)
 
+    metrics = _loss_metrics(logprobs, behaviour, advantages, ratio, mask_b, clip_low=clip_low,
+                            clip_high=clip_high, is_weight=is_weight, truncated=truncated, ref_kl=ref_kl)
+    return loss, metrics
+
+
+def _importance_weights(anchor: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                        is_cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's per-token weight ``exp(proximal - behaviour)`` (1 on masked positions),
+    truncated at ``is_cap``; and which tokens the cap truncated."""
+    is_weight = torch.exp(torch.where(mask, anchor - behaviour, torch.zeros_like(anchor)))
+    truncated = (is_weight > is_cap) if is_cap is not None else torch.zeros_like(mask)
+    if is_cap is not None:
+        is_weight = torch.clamp(is_weight, max=is_cap)
+    return is_weight, truncated
+
+
+def _loss_metrics(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, ratio: torch.Tensor,
+                  mask_b: torch.Tensor, *, clip_low: float, clip_high: float, is_weight: torch.Tensor,
+                  truncated: torch.Tensor, ref_kl: torch.Tensor) -> LossMetrics:
+    """The step's sums over trained tokens (no gradient): clipping, KL estimates, ratios, IS weights."""
+    maskf = mask_b.to(torch.float32)
     with torch.no_grad():
         # clipped = the clipped branch was selected, i.e. this token gives no gradient
         clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | (
@@ -415,4 +431,4 @@ def ppo_clip_loss(
             is_truncated_tokens=(truncated.float() * maskf).sum(),
             ref_kl_sum=(ref_kl.detach() * maskf).sum(),
         )
-    return loss, metrics
+    return metrics

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .consumer import StepInput
+from .groups import StepInput
 from .memory import peak_rss_mb
 from .step import StepMetrics
 

@@ -1,7 +1,7 @@
 """What both training backends share: building the model, its optimizer, and the files they write.
 
 The plain torch backend (:mod:`.trainer`) and the DeepSpeed one (:mod:`.deepspeed_backend`)
-offer the same small surface to the loop (:class:`Trainer`): ``step`` on a list of samples,
+offer the same small surface to the loop (:class:`~.trainer.Trainer`): ``step`` on a list of samples,
 and save/load of the weights (HF layout, what inference workers load) and of the training
 state (optimizer moments, RNG: what only a resumed learner needs). Keeping the two file
 sets apart lets workers download weights without the optimizer state, which is twice the
@@ -15,7 +15,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -24,7 +24,6 @@ from safetensors.torch import load_file
 from boltstream.weights.models import load_model
 
 from .config import LearnerConfig
-from .step import StepMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +31,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 BACKEND_FILE = "backend.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-class Trainer(Protocol):
-    """What the loop needs from a backend."""
-
-    backend: str
-    rank: int
-    world_size: int
-    model: torch.nn.Module  # the unwrapped (peft or HF) model
-    tokenizer: Any
-
-    def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics: ...
-    def save_weights(self, directory: Path, dtype: str | None = None) -> None: ...
-    def save_state(self, directory: Path) -> None: ...
-    def close(self) -> None: ...
 
 
 def build_model(cfg: LearnerConfig) -> tuple[torch.nn.Module, Any]:

@@ -11,9 +11,9 @@ for a recording of a live run: its first groups were sampled by the base policy,
 last by a policy trained for many steps, and a fresh adapter should meet them in that
 order (read partition after partition, every version was in the first step: approx.
 KL 2.99 at step 1). The ordered records feed the online learner's
-:class:`~.consumer.GroupAssembler`: groups are rebuilt from batch ids and part numbers
+:class:`~.groups.GroupAssembler`: groups are rebuilt from batch ids and part numbers
 exactly as online (an export's rows are regrouped into their TrainingBatch records first,
-:func:`boltstream.export.rows.batch_records`), K of them per step, trained by the same
+:func:`boltstream.export.batches.read_batches`), K of them per step, trained by the same
 step code.
 
 What differs from online, on purpose:
@@ -26,7 +26,7 @@ What differs from online, on purpose:
   with an empty dedupe window (a sample is trained once per epoch, duplicates
   within the dataset are dropped as online).
 
-Resume is exact within an epoch by the online rule (:mod:`.consumer`): a record is
+Resume is exact within an epoch by the online rule (:mod:`.groups`): a record is
 named by (partition, offset), for a file (file index, record index), and each
 checkpoint stores the epoch, the epoch's watermarks, the used records above them and
 the dedupe window, next to the live topic's offsets.
@@ -35,24 +35,20 @@ the dedupe window, next to the live topic's offsets.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from boltstream.config import Settings
-from boltstream.export.rows import BATCH_REQUIRED, batch_column, batch_records, record_field_names
-from boltstream.export.writers import METADATA_KEY
+from boltstream.export.batches import BatchesFileError, check_batches_file, read_batches
 from boltstream.log_range import LogRange, LogRangeError, PartitionRange, parse_position, read_merged, resolve
 from boltstream.replay_marker import replay_status
 from boltstream.schemas import Codec
 
 from .config import LearnerConfig
-from .consumer import GroupAssembler, OffsetTracker, StepInput
+from .groups import GroupAssembler, OffsetTracker, StepInput
 from .offline_source import TOPIC_PREFIX, OfflineError, parquet_files
 
 logger = logging.getLogger(__name__)
@@ -85,20 +81,9 @@ class Dataset:
 def _check_file(path: Path) -> int:
     """Rows of an exported batches file; refused with what is wrong when it is not one."""
     try:
-        meta = pq.read_metadata(path)
-        columns = set(pq.read_schema(path).names)
-    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
-        raise OfflineError(f"--offline: {path} is not a readable Parquet file ({exc})") from exc
-    about = (meta.metadata or {}).get(METADATA_KEY.encode())
-    if about is not None:
-        kind = json.loads(about).get("kind")
-        if kind != "batches":
-            raise OfflineError(f"--offline: {path} is an export of {kind}, not batches "
-                               "(boltstream export batches ...)")
-    missing = [c for c in BATCH_REQUIRED if c not in columns]
-    if missing:
-        raise OfflineError(f"--offline: {path} lacks the columns {', '.join(missing)} of an exported batches file")
-    return meta.num_rows
+        return check_batches_file(path)
+    except BatchesFileError as exc:
+        raise OfflineError(f"--offline: {exc}") from exc
 
 
 async def open_dataset(cfg: LearnerConfig, stored: dict[str, Any] | None) -> Dataset:
@@ -135,19 +120,6 @@ def _range_from(described: dict[str, Any]) -> LogRange:
     parts = tuple(PartitionRange(int(p), int(s), int(e)) for p, (s, e) in sorted(described["offsets"].items(),
                                                                                  key=lambda kv: int(kv[0])))
     return LogRange(described["topic"], parts, described["from"], described["to"])
-
-
-def file_records(path: str, skip: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(record index, TrainingBatch) of an exported file, from record ``skip`` on (rows read in batches)."""
-    parquet = pq.ParquetFile(path)
-    columns = set(parquet.schema_arrow.names)
-    sample_fields = [f for f in record_field_names("Sample") if f in columns]
-    batch_fields = [f for f in record_field_names("TrainingBatch") if f != "samples" and batch_column(f) in columns]
-    wanted = [*sample_fields, *(batch_column(f) for f in batch_fields), "partition", "offset"]
-    rows = (row for batch in parquet.iter_batches(batch_size=1024, columns=wanted) for row in batch.to_pylist())
-    for index, (_, _, record) in enumerate(batch_records(rows, sample_fields, batch_fields)):
-        if index >= skip:
-            yield index, record
 
 
 class OfflineData:
@@ -235,7 +207,7 @@ class OfflineData:
         if log_range is None:
             for index, (path, _) in enumerate(self.dataset.files):
                 chunk: list[Item] = []
-                for number, record in file_records(path, positions.get(index, 0)):
+                for number, record in read_batches(path, positions.get(index, 0)):
                     chunk.append((index, number, record, None))
                     if len(chunk) >= RECORDS_PER_POLL:
                         yield chunk

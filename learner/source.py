@@ -23,7 +23,7 @@ from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import BoltstreamError
 from boltstream.kafka import consumer_kwargs, log_end_offsets
 
-from .consumer import GroupAssembler, StepInput
+from .groups import GroupAssembler, StepInput
 
 logger = logging.getLogger(__name__)
 

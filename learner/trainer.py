@@ -1,10 +1,16 @@
-"""The plain torch backend: one process, one device, AdamW (DeepSpeed: :mod:`.deepspeed_backend`)."""
+"""What the loop trains with: the :class:`Trainer` surface and the plain torch backend.
+
+:class:`Trainer` is all the loop sees of a backend; :class:`TorchTrainer` (one process, one
+device, AdamW) and :class:`~.deepspeed_backend.DeepSpeedTrainer` implement it, and
+:func:`make_trainer` picks one from the config. What both backends share (model building,
+weight and state files) is in :mod:`.model_setup`.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -13,7 +19,6 @@ from .deepspeed_backend import DeepSpeedTrainer
 from .model_setup import (
     OPTIMIZER_FILE,
     RNG_FILE,
-    Trainer,
     adamw,
     build_model,
     load_weights,
@@ -27,6 +32,21 @@ from .model_setup import (
 from .step import StepMetrics, set_lr, train_step
 
 logger = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    """What the loop needs from a backend."""
+
+    backend: str
+    rank: int
+    world_size: int
+    model: torch.nn.Module  # the unwrapped (peft or HF) model
+    tokenizer: Any
+
+    def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics: ...
+    def save_weights(self, directory: Path, dtype: str | None = None) -> None: ...
+    def save_state(self, directory: Path) -> None: ...
+    def close(self) -> None: ...
 
 
 class TorchTrainer:

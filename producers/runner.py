@@ -1,6 +1,6 @@
 """``boltstream runner``: consume tasks in a consumer group and run G attempts of the agent per task.
 
-Semantics (design.md, "Rollout semantics"; details in docs/producers.md):
+Semantics (details in docs/producers.md):
 
 * One task = one GRPO group = G attempts (the task's ``group_size`` or
   ``--group-size``), at most ``--workers`` attempts running at once in this

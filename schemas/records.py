@@ -79,7 +79,7 @@ def rollout_key(span: Mapping[str, Any]) -> str:
 
 
 def span_key(span: Mapping[str, Any]) -> bytes:
-    """The ``spans`` topic key: :func:`rollout_key` (design.md, "Topics").
+    """The ``spans`` topic key: :func:`rollout_key` (docs/architecture.md, "Topics and keys").
 
     Every span of a rollout lands in one partition, in the order it was produced: the
     stream app's completeness rule (LLM spans before the root span) depends on it.

@@ -3,7 +3,7 @@
 Both stages collect items under a key until something closes the key: spans
 under a rollout id (closed by the root span + grace, or a timeout), trajectories
 under a task id (closed when the GRPO group is full, or a timeout). What makes
-that safe under faust's at-least-once (design.md, "Crash semantics"):
+that safe under faust's at-least-once (docs/architecture.md, "Why it is correct after a crash"):
 
 * Items are identified BY ITEM ID (span id / attempt id): a re-delivered item
   is a duplicate in memory and is not stored again. The new items of a key from

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from .span_tree import AssemblyError, SpanTree, build_span_tree
 from .spans import (
     RewardInfo,
     Span,
+    SpanKind,
     attr,
     has_token_ids,
     inherited_agent_names,
@@ -181,6 +182,81 @@ def _status(root: Span | None, status: str | None, error: str | None) -> tuple[s
     return status, error
 
 
+def _llm_calls(tree: SpanTree, kinds: Mapping[str, SpanKind], stats: AssemblyStats) -> list[Span]:
+    """The rollout's LLM calls in time order: without wrappers (an LLM span without token ids
+    around one with them: the same call seen twice) and without repeated responses (the same
+    prompt, response and start time from two instrumentations)."""
+    llm_ids = [sid for sid, kind in kinds.items() if kind.llm]
+    with_ids = {sid for sid in llm_ids if has_token_ids(tree.spans[sid])}
+    without_ids = set(llm_ids) - with_ids  # the only spans that can be wrappers
+    wrappers: set[str] = set()
+    if without_ids:
+        for sid in with_ids:
+            wrappers.update(a for a in tree.ancestors(sid) if a in without_ids)
+    stats.wrapper_spans = len(wrappers)
+    calls: list[Span] = []
+    seen_responses: set[tuple[bytes, bytes, int]] = set()
+    for span in sorted(
+        (tree.spans[sid] for sid in llm_ids if sid not in wrappers),
+        key=lambda s: (s.get("start_time_ns", 0), s.get("end_time_ns", 0), s["span_id"]),
+    ):
+        if has_token_ids(span):
+            llm = span["llm"]
+            # The ids' bytes, not tuples of ints: one memcpy per span instead of a Python int per token.
+            key = (pack(llm["prompt_token_ids"], I32), pack(llm["response_token_ids"], I32), span.get("start_time_ns", 0))
+            if key in seen_responses:
+                stats.duplicate_responses += 1
+                continue
+            seen_responses.add(key)
+        calls.append(span)
+    return calls
+
+
+def _trained_calls(calls: list[Span], agent_names: Mapping[str, str | None], config: AssemblyConfig,
+                   stats: AssemblyStats) -> tuple[list[Span], list[dict[str, str]]]:
+    """(calls to train, calls dropped with their reason): ``agent_match`` filters first (not
+    dropped: not ours to train), then a call without usable ids or logprobs is dropped."""
+    pattern = re.compile(config.agent_match) if config.agent_match is not None else None
+    kept: list[Span] = []
+    dropped: list[dict[str, str]] = []
+    for span in calls:
+        name = agent_names.get(span["span_id"])
+        if pattern is not None and (name is None or pattern.search(name) is None):
+            stats.filtered_by_agent += 1
+            continue
+        reason = _drop_reason(span, config.require_logprobs)
+        if reason is not None:
+            dropped.append({"span_id": span["span_id"], "reason": reason})
+            continue
+        kept.append(span)
+    stats.dropped_calls, stats.trained_calls = len(dropped), len(kept)
+    return kept, dropped
+
+
+def _turn(index: int, span: Span, air_rewards: Sequence[Mapping[str, Any]], evaluations: Sequence[Mapping[str, Any]],
+          agent_names: Mapping[str, str | None], stats: AssemblyStats) -> dict[str, Any]:
+    """One Trajectory turn of a kept LLM call, with its intermediate rewards (AIR, then evaluations)."""
+    llm = span["llm"]
+    stats.air_rewards += len(air_rewards)
+    stats.evaluation_rewards += len(evaluations)
+    rewards = [*air_rewards, *evaluations]
+    return {
+        "call_index": index,
+        "span_id": span["span_id"],
+        # Decoded spans hold arrays already (kept as they are, no copy); lists are converted.
+        "prompt_token_ids": as_array(llm["prompt_token_ids"], I32),
+        "response_token_ids": as_array(llm["response_token_ids"], I32),
+        "response_logprobs": as_array(llm.get("response_logprobs") or (), F32),
+        "policy_version": int(llm.get("policy_version", -1)),
+        "agent_name": agent_names.get(span["span_id"]),
+        "model": llm.get("model"),
+        "start_time_ns": int(span.get("start_time_ns", 0)),
+        "rewards": [dict(r) for r in rewards],
+        # What the response logprobs were computed at: the learner scores the call at it.
+        "temperature": llm.get("temperature"),
+    }
+
+
 def assemble_trajectory_with_stats(
     spans: Iterable[Span],
     config: AssemblyConfig | None = None,
@@ -213,46 +289,11 @@ def assemble_trajectory_with_stats(
         raise InvalidRollout(f"rollout {rid}: {summarise(problems)}")
 
     kinds = {sid: span_kind(s) for sid, s in tree.spans.items()}
-    llm_ids = [sid for sid, kind in kinds.items() if kind.llm]
-    with_ids = {sid for sid in llm_ids if has_token_ids(tree.spans[sid])}
-    without_ids = set(llm_ids) - with_ids  # the only spans that can be wrappers
-    wrappers: set[str] = set()
-    if without_ids:
-        for sid in with_ids:
-            wrappers.update(a for a in tree.ancestors(sid) if a in without_ids)
-    stats.wrapper_spans = len(wrappers)
-    calls: list[Span] = []
-    seen_responses: set[tuple[bytes, bytes, int]] = set()
-    for span in sorted(
-        (tree.spans[sid] for sid in llm_ids if sid not in wrappers),
-        key=lambda s: (s.get("start_time_ns", 0), s.get("end_time_ns", 0), s["span_id"]),
-    ):
-        if has_token_ids(span):
-            llm = span["llm"]
-            # The ids' bytes, not tuples of ints: one memcpy per span instead of a Python int per token.
-            key = (pack(llm["prompt_token_ids"], I32), pack(llm["response_token_ids"], I32), span.get("start_time_ns", 0))
-            if key in seen_responses:
-                stats.duplicate_responses += 1
-                continue
-            seen_responses.add(key)
-        calls.append(span)
+    calls = _llm_calls(tree, kinds, stats)
     stats.llm_calls = len(calls)
 
     agent_names = inherited_agent_names(tree.spans, tree.parent_of)
-    pattern = re.compile(config.agent_match) if config.agent_match is not None else None
-    kept: list[Span] = []
-    dropped: list[dict[str, str]] = []
-    for span in calls:
-        name = agent_names.get(span["span_id"])
-        if pattern is not None and (name is None or pattern.search(name) is None):
-            stats.filtered_by_agent += 1
-            continue
-        reason = _drop_reason(span, config.require_logprobs)
-        if reason is not None:
-            dropped.append({"span_id": span["span_id"], "reason": reason})
-            continue
-        kept.append(span)
-    stats.dropped_calls, stats.trained_calls = len(dropped), len(kept)
+    kept, dropped = _trained_calls(calls, agent_names, config, stats)
     if dropped:
         logger.info("rollout %s attempt %s: %d call(s) dropped: %s", rid, aid, len(dropped), dropped)
 
@@ -265,31 +306,8 @@ def assemble_trajectory_with_stats(
     )
     stats.air_rewards_unattached = len(air.unattached)
     evaluated, evaluation_finals = evaluation_rewards(tree.spans.values(), calls)  # streams/evaluations.py
-    turns = []
-    for index, span in enumerate(kept):
-        llm = span["llm"]
-        rewards = air.rewards_by_call.get(span["span_id"], [])
-        stats.air_rewards += len(rewards)
-        evaluations = evaluated.get(span["span_id"], [])
-        stats.evaluation_rewards += len(evaluations)
-        rewards = [*rewards, *evaluations]
-        turns.append(
-            {
-                "call_index": index,
-                "span_id": span["span_id"],
-                # Decoded spans hold arrays already (kept as they are, no copy); lists are converted.
-                "prompt_token_ids": as_array(llm["prompt_token_ids"], I32),
-                "response_token_ids": as_array(llm["response_token_ids"], I32),
-                "response_logprobs": as_array(llm.get("response_logprobs") or (), F32),
-                "policy_version": int(llm.get("policy_version", -1)),
-                "agent_name": agent_names.get(span["span_id"]),
-                "model": llm.get("model"),
-                "start_time_ns": int(span.get("start_time_ns", 0)),
-                "rewards": [dict(r) for r in rewards],
-                # What the response logprobs were computed at: the learner scores the call at it.
-                "temperature": llm.get("temperature"),
-            }
-        )
+    turns = [_turn(index, span, air.rewards_by_call.get(span["span_id"], []),
+                   evaluated.get(span["span_id"], []), agent_names, stats) for index, span in enumerate(kept)]
 
     final_reward, final_rewards = _final_rewards((s for sid, s in tree.spans.items() if kinds[sid].reward),
                                                  evaluation_finals)

@@ -2,7 +2,8 @@
 
 Why a package of its own in the core: the export reads the log with the shared range
 module and the codec only (no stream app, no torch), and ``learn --offline`` reads its
-files back through :mod:`.rows`. Modules: :mod:`.columns` (Avro -> Arrow, pure),
+files back through :mod:`.batches`. Modules: :mod:`.columns` (Avro -> Arrow, pure),
 :mod:`.rows` (one layout per kind, and the way back for batches), :mod:`.writers`
-(bounded row groups, temporary name, metadata), :mod:`.cli` (the command).
+(bounded row groups, temporary name, metadata), :mod:`.batches` (batches files read
+back: checked, regrouped into records), :mod:`.cli` (the command).
 """

@@ -124,18 +124,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     roles = {name: name.removeprefix("learner-") for name in metrics} if cfg.roles else {}
     agent_fn = _agent_callable(cfg.agent)
     test_tasks = load_tasks(cfg.test, cfg.eval_tasks)
-    stream_cfg = cfg.stream_config()
-    group_size = stream_cfg.group_size
-    # What each component ran with, resolved by its own parser from the command line it was given.
-    summary: dict[str, Any] = {
-        "settings": {k: str(v) for k, v in vars(cfg).items()},
-        "stream": {"group_size": group_size, "agent_match": stream_cfg.agent_match,
-                   "air_rules_file": stream_cfg.air_rules_file, **dataclasses.asdict(stream_cfg.credit)},
-        "learner": cfg.learner_config().to_dict() if not roles else
-        {roles[name]: c.to_dict() for name, c in cfg.learner_configs().items()},
-    }
-    if roles:
-        summary["frozen_roles"] = [r.name for r in cfg.role_specs()[1]]
+    summary = _settings_summary(cfg, roles)
+    group_size = summary["stream"]["group_size"]
 
     if not external:  # a new embedded stack: spans spooled for an earlier run's broker mean nothing here
         shutil.rmtree(out / "spool", ignore_errors=True)
@@ -170,16 +160,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             eval_reserve = 1.5 * eval_s + 30.0
             deadline = started + cfg.time_budget_s - eval_reserve
 
-            def learner_done() -> bool:
-                rows = {name: _steps(path) for name, path in metrics.items()}
-                if display is not None:
-                    display.update(rows=next(iter(rows.values())), version=worker_version(port), procs=procs,
-                                   worker_port=port, group_size=group_size)
-                return all(r and r[-1]["step"] >= cfg.steps for r in rows.values())
-
-            with contextlib.suppress(Exception):
-                wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
-            summary["stopped_by_time_budget"] = not learner_done()
+            summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline,
+                                                                       display, group_size)
             if summary["stopped_by_time_budget"]:
                 # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
                 log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the "
@@ -193,26 +175,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             for name in metrics:
                 procs.stop(name, timeout=300)
             summary["train_s"] = round(time.monotonic() - train_started, 1)
-            steps_of: dict[str, int] = {}
-            rss_of: dict[str, float | None] = {}
-            for name, path in metrics.items():
-                rows = _steps(path)
-                adapter = roles.get(name)  # None: the worker's one policy
-                final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
-                if final_version:
-                    wait_until(functools.partial(_serves, port, adapter, final_version), 120,
-                               f"the worker to load {adapter or 'the'} policy version {final_version}", procs)
-                steps_of[name] = len(rows)
-                rss_of[name] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
-            summary["learner_steps"] = min(steps_of.values())  # the steps every learner took
-            summary["learner_peak_rss_mb"] = max((m for m in rss_of.values() if m is not None), default=None)
-            if roles:
-                summary["roles"] = {roles[n]: {"learner_steps": steps_of[n], "learner_peak_rss_mb": rss_of[n]}
-                                    for n in metrics}
-                summary["policy_version_served"] = {r.name: worker_version(port, r.name)
-                                                    for specs in cfg.role_specs() for r in specs}
-            else:
-                summary["policy_version_served"] = worker_version(port)
+            summary.update(_learners_summary(cfg, procs, metrics, roles, port))
             summary["after"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
             log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
         finally:
@@ -224,6 +187,66 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     summary["improvement"], summary["improvement_se"] = mean_and_se(diffs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot({roles.get(name, "training"): path for name, path in metrics.items()}, summary, out / "curve.png")
+    return summary
+
+
+def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, Any]:
+    """What each component ran with, resolved by its own parser from the command line it was given."""
+    stream_cfg = cfg.stream_config()
+    summary: dict[str, Any] = {
+        "settings": {k: str(v) for k, v in vars(cfg).items()},
+        "stream": {"group_size": stream_cfg.group_size, "agent_match": stream_cfg.agent_match,
+                   "air_rules_file": stream_cfg.air_rules_file, **dataclasses.asdict(stream_cfg.credit)},
+        "learner": cfg.learner_config().to_dict() if not roles else
+        {roles[name]: c.to_dict() for name, c in cfg.learner_configs().items()},
+    }
+    if roles:
+        summary["frozen_roles"] = [r.name for r in cfg.role_specs()[1]]
+    return summary
+
+
+def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port: int,
+                       deadline: float, display: Any, group_size: int) -> bool:
+    """Wait (updating ``display``) until every learner logged ``cfg.steps`` steps or ``deadline`` passes;
+    whether they all did."""
+
+    def learner_done() -> bool:
+        rows = {name: _steps(path) for name, path in metrics.items()}
+        if display is not None:
+            display.update(rows=next(iter(rows.values())), version=worker_version(port), procs=procs,
+                           worker_port=port, group_size=group_size)
+        return all(r and r[-1]["step"] >= cfg.steps for r in rows.values())
+
+    with contextlib.suppress(Exception):
+        wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
+    return learner_done()
+
+
+def _learners_summary(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], roles: dict[str, str],
+                      port: int) -> dict[str, Any]:
+    """Steps and peak memory of the stopped learners, once the worker serves each one's last version."""
+    steps_of: dict[str, int] = {}
+    rss_of: dict[str, float | None] = {}
+    for name, path in metrics.items():
+        rows = _steps(path)
+        adapter = roles.get(name)  # None: the worker's one policy
+        final_version = max((int(r.get("version", r["step"])) for r in rows), default=0)
+        if final_version:
+            wait_until(functools.partial(_serves, port, adapter, final_version), 120,
+                       f"the worker to load {adapter or 'the'} policy version {final_version}", procs)
+        steps_of[name] = len(rows)
+        rss_of[name] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
+    summary: dict[str, Any] = {
+        "learner_steps": min(steps_of.values()),  # the steps every learner took
+        "learner_peak_rss_mb": max((m for m in rss_of.values() if m is not None), default=None),
+    }
+    if roles:
+        summary["roles"] = {roles[n]: {"learner_steps": steps_of[n], "learner_peak_rss_mb": rss_of[n]}
+                            for n in metrics}
+        summary["policy_version_served"] = {r.name: worker_version(port, r.name)
+                                            for specs in cfg.role_specs() for r in specs}
+    else:
+        summary["policy_version_served"] = worker_version(port)
     return summary
 
 

@@ -88,56 +88,73 @@ def start_stack(
             log.warning("replacing stale stack state %s (alive: %s)", path, liveness)
             _stop_state(existing)
             path.unlink(missing_ok=True)
-        defaults = Settings()
-        log_prefix = path.with_suffix("")
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "state_file": str(path.resolve()),
-            "durable": durable,
-            "die_with_parent": die_with_parent,
-            "namespace": namespace if namespace is not None else defaults.namespace,
-            "partitions": partitions if partitions is not None else defaults.partitions,
-            "s3_bucket": defaults.s3_bucket,
-            "s3_access_key": defaults.s3_access_key,
-            "s3_secret_key": defaults.s3_secret_key,
-            "s3_region": defaults.s3_region,
-            "broker_bucket": defaults.s3_bucket + BROKER_BUCKET_SUFFIX,
-            "broker_bin": broker_bin(),
-            "pids": {},
-            "proc_starts": {},
-            "logs": {"broker": f"{log_prefix}.broker.log", "s3": f"{log_prefix}.s3.log"},
-            "secure": secure,
-            "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        }
-        state["broker_storage"] = f"s3://{state['broker_bucket']}/" if durable else "memory://tansu/"
-        deadline = time.monotonic() + timeout
+        state = _new_state(path, durable=durable, partitions=partitions, namespace=namespace,
+                           die_with_parent=die_with_parent, secure=secure)
         try:
-            start_s3(state)
-            if durable:
-                # Tansu's s3:// engine needs its bucket before it starts.
-                write_state(path, state)
-                wait_s3(state, deadline)
-                s3.ensure_bucket(s3.make_client(settings_from_state(state)), state["broker_bucket"])
-            if secure:
-                state["tls_dir"] = f"{log_prefix}.tls"
-                state["logs"]["tls"] = f"{log_prefix}.tls.log"
-                start_tls(state)
-            start_broker(state, state.get("broker_port"))
-            write_state(path, state)  # from here on `down` can clean up even if we die
-            wait_s3(state, deadline)
-            wait_broker(state, deadline)
-            settings = settings_from_state(state)
-            s3.ensure_bucket(s3.make_client(settings), state["s3_bucket"])
-            from boltstream.topics import ensure_topics
-
-            run_sync(ensure_topics(settings, timeout=max(1.0, deadline - time.monotonic())))
-            write_state(path, state)
+            _start_services(path, state, time.monotonic() + timeout)
         except BaseException:
             _stop_state(state)
             path.unlink(missing_ok=True)
             raise
     log.info("embedded stack up: kafka %s, s3 %s", state["bootstrap_servers"], state["s3_endpoint"])
     return state
+
+
+def _new_state(path: Path, *, durable: bool, partitions: int | None, namespace: str | None,
+               die_with_parent: bool, secure: bool) -> dict[str, Any]:
+    """The state of a stack about to start: its settings, binaries and log files (no process yet)."""
+    defaults = Settings()
+    log_prefix = path.with_suffix("")
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "state_file": str(path.resolve()),
+        "durable": durable,
+        "die_with_parent": die_with_parent,
+        "namespace": namespace if namespace is not None else defaults.namespace,
+        "partitions": partitions if partitions is not None else defaults.partitions,
+        "s3_bucket": defaults.s3_bucket,
+        "s3_access_key": defaults.s3_access_key,
+        "s3_secret_key": defaults.s3_secret_key,
+        "s3_region": defaults.s3_region,
+        "broker_bucket": defaults.s3_bucket + BROKER_BUCKET_SUFFIX,
+        "broker_bin": broker_bin(),
+        "pids": {},
+        "proc_starts": {},
+        "logs": {"broker": f"{log_prefix}.broker.log", "s3": f"{log_prefix}.s3.log"},
+        "secure": secure,
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    state["broker_storage"] = f"s3://{state['broker_bucket']}/" if durable else "memory://tansu/"
+    if secure:
+        state["tls_dir"] = f"{log_prefix}.tls"
+        state["logs"]["tls"] = f"{log_prefix}.tls.log"
+    return state
+
+
+def _start_services(path: Path, state: dict[str, Any], deadline: float) -> None:
+    """Start S3 (and the TLS front when secure) and the broker, wait for both, create bucket and topics.
+
+    The state file is written as soon as the broker process exists, so ``down`` can clean up
+    even if this process dies; the caller stops everything when this raises.
+    """
+    start_s3(state)
+    if state["durable"]:
+        # Tansu's s3:// engine needs its bucket before it starts.
+        write_state(path, state)
+        wait_s3(state, deadline)
+        s3.ensure_bucket(s3.make_client(settings_from_state(state)), state["broker_bucket"])
+    if state["secure"]:
+        start_tls(state)
+    start_broker(state, state.get("broker_port"))
+    write_state(path, state)  # from here on `down` can clean up even if we die
+    wait_s3(state, deadline)
+    wait_broker(state, deadline)
+    settings = settings_from_state(state)
+    s3.ensure_bucket(s3.make_client(settings), state["s3_bucket"])
+    from boltstream.topics import ensure_topics
+
+    run_sync(ensure_topics(settings, timeout=max(1.0, deadline - time.monotonic())))
+    write_state(path, state)
 
 
 def _stop_state(state: dict[str, Any], timeout: float = 10.0) -> None:

@@ -78,17 +78,6 @@ def _safe_relpath(path: str) -> str:
     return p.as_posix()
 
 
-def file_digest(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """(sha256 hex, size) of a local file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
 def _local_files(local_dir: Path) -> list[str]:
     files = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
     if not files:

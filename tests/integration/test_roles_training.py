@@ -1,4 +1,4 @@
-"""Issue 19, per-role training: one worker serves adapters ``writer``, ``checker`` and ``frozen`` on one tiny
+"""Per-role training: one worker serves adapters ``writer``, ``checker`` and ``frozen`` on one tiny
 base model; agent traffic of all three roles flows through the real stream app; one ``learn --role`` process per
 trained role reads the shared batches topic. Each role's samples train only its adapter (the others' outputs stay
 bitwise the same), spans name the adapter and version that answered, and the frozen role is never trained.

@@ -1,5 +1,6 @@
 """The package's import graph: no cycles (not even behind a function-level import), the layering
-design.md asks for, and every module importable first in a fresh interpreter, in any order.
+docs/architecture.md describes ("Code layout"), and every module importable first in a fresh
+interpreter, in any order.
 
 Why both a static and a runtime check: a cycle hidden behind an import inside a function works
 until someone moves that import to the top; the static graph sees it today. The runtime check

@@ -9,7 +9,7 @@ metrics records (``sample_ids`` of each step of the surviving history: a resumed
 steps after its checkpoint, see ``learner.metrics.read_steps``).
 
 lost = expected samples never trained; duplicated = trained more than once in the surviving history
-(after the learner's documented dedupe by sample id, ``learner/consumer.py``). Recovery time = from
+(after the learner's documented dedupe by sample id, ``learner/groups.py``). Recovery time = from
 the fault until the learner completed a step after the killed process was restarted.
 
 Used by ``tests/integration/chaos/test_chaos_fast.py`` (fast form, in ``make test``) and by

@@ -1,7 +1,7 @@
 """Two workers, one SIGKILLed mid-stream and restarted: every rollout's samples arrive, none lost.
 
 faust is at-least-once, so the restarted partitions replay from the last
-committed offset over the restored changelog (design.md, "Crash semantics").
+committed offset over the restored changelog (docs/architecture.md, "Why it is correct after a crash").
 What must hold at the consumer: after dedupe by sample id (attempt id + call
 index) exactly the expected samples, each copy with the expected advantage.
 Duplicates before dedupe are counted and printed (run with ``-s`` to see them).

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from boltstream.learner.cli import main
-from boltstream.learner.consumer import Group, StepInput
+from boltstream.learner.groups import Group, StepInput
 from boltstream.learner.metrics import MetricsSink, format_step, read_records, read_steps, step_record
 from boltstream.learner.plot import plot_metrics
 from boltstream.learner.step import StepMetrics

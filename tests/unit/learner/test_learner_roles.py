@@ -8,7 +8,7 @@ import pytest
 
 from boltstream.errors import ConfigError
 from boltstream.learner.config import LearnerConfig, load_config
-from boltstream.learner.consumer import GroupAssembler
+from boltstream.learner.groups import GroupAssembler
 from boltstream.learner.roles import OTHER_ROLE, parse_role
 from boltstream.learner.tiny import random_samples
 

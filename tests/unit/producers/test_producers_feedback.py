@@ -106,7 +106,7 @@ def test_session_id_feedback_follows_span_key() -> None:
     """Keyed as span_key keys a span of that session; refused, saying why, while span_key has no session rule."""
     probe = {"rollout_id": None, "trace_id": "ab" * 16, "attributes": {"gen_ai.conversation.id": "s-1"}}
     session_key = records.span_key(probe)
-    if session_key != b"ab" * 16:  # rollouts are keyed by session (issue 15 item 3)
+    if session_key != b"ab" * 16:  # span_key keys rollouts by session id
         assert parse_feedback({"session_id": "s-1", "reward": 1}).key.encode() == session_key
         return
     with pytest.raises(FeedbackError) as err:

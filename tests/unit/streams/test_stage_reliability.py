@@ -1,4 +1,4 @@
-"""Never ack what was not kept, never train on poison: the stages' side of issue 17, without a broker.
+"""Never ack what was not kept, never train on poison: the stages' side, without a broker.
 
 The fake producer of test_app_stages refuses chosen writes the way aiokafka does
 (``MessageSizeTooLargeError`` raised by ``send``) or fails their ack, so each

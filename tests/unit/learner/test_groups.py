@@ -1,4 +1,4 @@
-"""The learner's consumer core without a broker: part reassembly, duplicates, staleness, offsets."""
+"""Group assembly and offset bookkeeping without a broker: parts, duplicates, staleness, offsets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from boltstream.learner.consumer import GroupAssembler, IdWindow, OffsetTracker, staleness_key
+from boltstream.learner.groups import GroupAssembler, IdWindow, OffsetTracker, staleness_key
 from boltstream.learner.tiny import random_samples
 
 VOCAB = 64
