@@ -264,6 +264,7 @@ class Runner:
         self._dlq = DeadLetterWriter(settings, self._codec, "runner")  # its producer starts on first use
         self._exporter = KafkaSpanExporter(settings=settings, install_rollout_processor=False,
                                            spool_dir=self.config.spool_dir)
+        self.metrics.watch_exporter(self._exporter)
         self._provider = setup_tracing(settings, service_name="boltstream-runner", exporter=self._exporter)
         runner = self
 

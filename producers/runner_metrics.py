@@ -2,15 +2,22 @@
 
 A registry per :class:`RunnerMetrics`, so several runners in one process (tests)
 never collide. The runner records on its event loop; prometheus_client's metrics
-are thread-safe for the scrape thread.
+are thread-safe for the scrape thread. The runner's own span exporter is reported
+here too (:meth:`RunnerMetrics.watch_exporter`), under the names a Prometheus
+exporter gives the exporter's OTel instruments in an agent (producers/exporter_metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .exporter_metrics import observations
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,10 @@ class RunnerMetrics:
         self.port: int | None = None
         self._server: Any = None
 
+    def watch_exporter(self, exporter: Any) -> None:
+        """Report ``exporter``'s counters (read at each scrape from its consistent snapshot)."""
+        self.registry.register(_ExporterCollector(exporter))
+
     def serve(self, host: str, port: int) -> int:
         """Start ``/metrics`` on ``host:port`` (0: any free port); returns the bound port."""
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -50,3 +61,25 @@ class RunnerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _ExporterCollector(Collector):
+    def __init__(self, exporter: Any) -> None:
+        self.exporter = exporter
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        obs = observations(self.exporter.metrics, str(self.exporter.topic))
+        families = (
+            ("received", CounterMetricFamily, "boltstream_exporter_spans_received", "spans handed to the exporter"),
+            ("acked", CounterMetricFamily, "boltstream_exporter_spans_acked", "spans acknowledged by the broker"),
+            ("dropped", CounterMetricFamily, "boltstream_exporter_spans_dropped", "spans lost, by cause"),
+            ("spool_bytes", GaugeMetricFamily, "boltstream_exporter_spool_size_bytes", "bytes in the on-disk spool"),
+            ("spool_pending", GaugeMetricFamily, "boltstream_exporter_spool_pending",
+             "spans in the spool not yet acknowledged"),
+        )
+        for key, kind, name, doc in families:
+            labels = sorted(obs[key][0][1])
+            family = kind(name, doc, labels=labels)
+            for value, attrs in obs[key]:
+                family.add_metric([attrs[k] for k in labels], value)
+            yield family

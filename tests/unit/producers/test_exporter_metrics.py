@@ -67,3 +67,19 @@ def test_no_meter_provider_is_a_no_op() -> None:
     exp = exporter()  # the global API provider: a proxy with no SDK behind it
     assert exp.instruments is not None
     exp.shutdown()
+
+
+def test_the_runner_shows_its_exporter_under_the_prometheus_names() -> None:
+    from prometheus_client import generate_latest
+
+    from boltstream.producers.runner_metrics import RunnerMetrics
+
+    exp = exporter()
+    exp._counters.received, exp._counters.dropped_rejected = 4, 1
+    m = RunnerMetrics()
+    m.watch_exporter(exp)
+    text = generate_latest(m.registry).decode()
+    assert 'boltstream_exporter_spans_received_total{topic="u.spans"} 4.0' in text
+    assert 'boltstream_exporter_spans_dropped_total{cause="rejected",topic="u.spans"} 1.0' in text
+    assert 'boltstream_exporter_spool_size_bytes{topic="u.spans"} 0.0' in text
+    exp.shutdown()
