@@ -124,6 +124,7 @@ def test_prometheus_scrapes_the_pipeline_and_status_agrees(settings: Settings, s
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     cfg = PipelineConfig(agent=CALC_AGENT, train=tmp_path / "train.jsonl", test=tmp_path / "test.jsonl",
                          out=tmp_path / "out", model="tiny", group_size=2, steps=1000, runner_workers=4,
+                         tasks_per_version=2,  # the worker idles between versions, so it reloads
                          learner={"groups_per_step": 2, "lr_warmup_steps": 0},
                          stream={"air_rules_file": CALC_AIR_RULES})
     ports = {job: free_port() for job in ("stream", "learner", "inference", "runner")}
