@@ -64,3 +64,39 @@ def test_metrics_port_is_checked() -> None:
     assert StreamConfig(metrics_port=0).metrics_port == 0
     with pytest.raises(ConfigError, match="metrics_port"):
         StreamConfig(metrics_port=70000)
+
+
+def test_faust_has_what_the_lag_reader_relies_on() -> None:
+    """streams/metrics.py reads faust-streaming 0.15.3's Consumer.highwater() and _read_offset /
+    _committed_offset; another faust that renamed them must fail here, not show no lag."""
+    import inspect
+
+    import faust
+    import faust.transport.consumer as consumer
+    import faust.transport.drivers.aiokafka as aiokafka_driver
+
+    init = inspect.getsource(consumer.Consumer.__init__)
+    assert callable(getattr(aiokafka_driver.Consumer, "highwater", None)), faust.__version__
+    assert "self._read_offset" in init and "self._committed_offset" in init, faust.__version__
+
+
+def test_consumer_lag_of_the_assigned_input_partitions() -> None:
+    from typing import NamedTuple
+
+    from boltstream.streams.metrics import consumer_lag
+
+    class TP(NamedTuple):
+        topic: str
+        partition: int
+
+    class Consumer:  # the three things consumer_lag reads, with faust's names
+        _read_offset = {TP("s", 0): 4}
+        _committed_offset = {TP("s", 1): 2}
+
+        def assignment(self) -> set[TP]:
+            return {TP("s", 0), TP("s", 1), TP("s-changelog", 0), TP("s", 2)}
+
+        def highwater(self, tp: TP) -> int | None:
+            return {TP("s", 0): 10, TP("s", 1): 5, TP("s-changelog", 0): 99}.get(tp)
+
+    assert consumer_lag(Consumer(), ["s"]) == {("s", 0): 5, ("s", 1): 3}
