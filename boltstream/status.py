@@ -8,8 +8,9 @@ What it reads, and from where:
   every partition of the namespace's topics, through a consumer of that group that
   joins nothing (``committed()``): the admin client's ``list_consumer_group_offsets``
   is not used because the embedded broker (Tansu) answers it in a form aiokafka
-  0.14 cannot decode. Partitions with no committed offset (or 0) are not the
-  group's; lag = log end - committed. What the broker does not answer is reported
+  0.14 cannot decode (and Tansu answers 0, not "none", for a partition never
+  committed). A topic is the group's when it committed on any of its partitions;
+  lag = log end - committed, summed over all of the topic's partitions. What the broker does not answer is reported
   as ``"unknown"`` with the error, never a crash;
 * the learner's last published step and version per model: the newest
   ``CheckpointEvent`` of each model on the checkpoints topic;
@@ -61,12 +62,18 @@ HTTP_TIMEOUT = 5.0
 
 def group_lag(ends: Mapping[tuple[str, int], int], committed: Mapping[tuple[str, int], int | None]
               ) -> dict[str, dict[str, Any]]:
-    """Per topic: committed offset, log end and lag of each partition the group committed (> 0), and the sum."""
+    """Per topic the group consumes: committed offset, log end and lag of every partition, and their sum.
+
+    A group consumes a topic when it committed an offset (> 0) on any of its partitions; its
+    other partitions of that topic count from 0 (nothing committed: read from the start).
+    Other topics are not the group's.
+    """
+    topics = {t for (t, _), offset in committed.items() if offset}
     out: dict[str, dict[str, Any]] = {}
-    for (topic, partition), offset in sorted(committed.items()):
-        if not offset or (topic, partition) not in ends:
+    for (topic, partition), end in sorted(ends.items()):
+        if topic not in topics:
             continue
-        end = ends[(topic, partition)]
+        offset = committed.get((topic, partition)) or 0
         entry = out.setdefault(topic, {"lag": 0, "partitions": {}})
         lag = max(0, end - offset)
         entry["partitions"][str(partition)] = {"committed": offset, "end": end, "lag": lag}

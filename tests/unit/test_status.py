@@ -20,12 +20,13 @@ from boltstream.status import (
 )
 
 
-def test_group_lag_counts_only_partitions_the_group_committed() -> None:
-    ends = {("n.spans", 0): 10, ("n.spans", 1): 4, ("n.tasks", 0): 7}
-    committed = {("n.spans", 0): 6, ("n.spans", 1): 4, ("n.tasks", 0): None, ("n.gone", 0): 3}
+def test_group_lag_covers_every_partition_of_the_topics_the_group_committed_on() -> None:
+    ends = {("n.spans", 0): 10, ("n.spans", 1): 4, ("n.spans", 2): 3, ("n.tasks", 0): 7}
+    committed = {("n.spans", 0): 6, ("n.spans", 1): 4, ("n.spans", 2): 0, ("n.tasks", 0): None, ("n.gone", 0): 3}
     lag = group_lag(ends, committed)
-    assert lag == {"n.spans": {"lag": 4, "partitions": {"0": {"committed": 6, "end": 10, "lag": 4},
-                                                        "1": {"committed": 4, "end": 4, "lag": 0}}}}
+    assert lag == {"n.spans": {"lag": 7, "partitions": {"0": {"committed": 6, "end": 10, "lag": 4},
+                                                        "1": {"committed": 4, "end": 4, "lag": 0},
+                                                        "2": {"committed": 0, "end": 3, "lag": 3}}}}
 
 
 def test_latest_checkpoint_per_model_and_the_learners_lag() -> None:
