@@ -218,5 +218,12 @@ def test_prometheus_scrapes_the_pipeline_and_status_agrees(stack: dict[str, Any]
                           settings.namespace)
         assert by_state["topics"].keys() == report["topics"].keys()
         assert by_state["groups"].keys() == report["groups"].keys()
+        # and for people: the same facts as lines
+        text = subprocess.run([*boltstream_cmd, "status", "--worker", worker_url], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert text.returncode == 0, text.stderr[-3000:]
+        assert f"{worker_url}: policy v{before['served']}" in text.stdout, text.stdout
+        assert f"policy: version {before['learner_version']:g}, step {before['learner_step']:g}" in text.stdout
+        assert f"{settings.namespace}runners: {settings.topic('tasks')} {len(train) - len(started)}" in text.stdout
     finally:
         procs.stop_all()
