@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("boltstream.streams.replay_cli", "re-run the stream stages over a range of spans with another configuration"),
     "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints (--offline: from a dataset)"),
     "export": ("boltstream.export.cli", "write a range of spans, trajectories or batches to Parquet or JSON lines"),
+    "status": ("boltstream.status", "where a running pipeline stands: topics, lag, checkpoints, workers"),
     "train": ("boltstream.runs.train", "train your own agent end to end"),
     "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),
     "evaluate": ("boltstream.runs.evaluate", "held-out score of the base model and a model's newest checkpoint"),

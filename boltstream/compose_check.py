@@ -6,8 +6,10 @@ a removed setting or a topic created without its retention only shows on a user'
 settings of each component's config dataclass (:func:`boltstream.config.knobs`), the sub-commands
 and flags of each command's own ``parser()``, the topics and their configs
 (:mod:`boltstream.topics`), and the rules compose itself enforces at start (dependency order,
-healthchecks, host ports). ``python -m boltstream.compose_check infra/docker-compose.yml
-[overlay.yml ...]`` prints every problem and exits 1 if there is one.
+healthchecks, host ports), the files its bind mounts name, and the Prometheus scrape config
+against the metrics port each component serves (:func:`_check_scrape`).
+``python -m boltstream.compose_check infra/docker-compose.yml [overlay.yml ...]`` prints every
+problem and exits 1 if there is one.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ COMMAND_CONFIGS: Mapping[str, str] = {
     "learn": "boltstream.learner.config:LearnerConfig",
 }
 ONE_SHOT = "service_completed_successfully"
+# The config field holding the port of a command's /metrics (and the address field beside it).
+METRICS_FIELDS: Mapping[str, tuple[str, str]] = {
+    "runner": ("metrics_port", "metrics_host"),
+    "stream": ("metrics_port", "metrics_host"),
+    "learn": ("metrics_port", "metrics_host"),
+    "serve": ("port", "host"),  # the inference worker serves /metrics on its API port
+}
+# Top-level key load_compose adds: the folder relative bind mounts resolve against (compose's project
+# directory is the first file's folder). An ``x-`` key, which compose itself ignores.
+COMPOSE_DIR = "x-compose-dir"
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
@@ -65,8 +79,11 @@ def _merge(base: Any, over: Any) -> Any:
 def load_compose(paths: Iterable[str | Path], env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The compose model of ``paths`` (first the base file, then overlays), variables substituted."""
     model: dict[str, Any] = {}
+    paths = list(paths)
     for path in paths:
         model = _merge(model, yaml.safe_load(interpolate(Path(path).read_text(), env or {})) or {})
+    if paths:
+        model[COMPOSE_DIR] = str(Path(paths[0]).resolve().parent)
     # YAML aliases (`environment: *boltstream-env`) share one object; each service gets its own copy.
     return json.loads(json.dumps(model))
 
@@ -113,6 +130,128 @@ def check_command(argv: list[str]) -> str | None:
         last = err.getvalue().strip().splitlines()
         return f"'{shlex.join(argv)}' is refused by its parser: {last[-1] if last else 'exit'}"
     return None
+
+
+def _resolve(argv: list[str], env: Mapping[str, str]) -> Any:
+    """The config a ``boltstream`` command line resolves with ``env`` (None: not one of ours, or refused)."""
+    if argv[:1] != ["boltstream"] or len(argv) < 2 or argv[1] not in COMMAND_CONFIGS:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = vars(importlib.import_module(COMMANDS[argv[1]][0]).parser().parse_args(argv[2:]))
+        return config.load(_class(COMMAND_CONFIGS[argv[1]]), args, env=env, state_file=os.devnull)
+    except (SystemExit, BoltstreamError):
+        return None  # check_command / _check_env report it
+
+
+def metrics_endpoints(spec: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """(port, bind address) of every /metrics a service's commands serve."""
+    out = []
+    env = _environment(spec)
+    for argv in command_lines(spec):
+        resolved = _resolve(argv, env)
+        fields = METRICS_FIELDS.get(argv[1]) if resolved is not None else None
+        if fields and getattr(resolved, fields[0], None) is not None:
+            out.append((int(getattr(resolved, fields[0])), str(getattr(resolved, fields[1]))))
+    return out
+
+
+def _volume_parts(volume: Any) -> tuple[str, str]:
+    """(source, target) of a service's volume, short (``src:dst[:ro]``) or long syntax."""
+    if isinstance(volume, dict):
+        return str(volume.get("source") or ""), str(volume.get("target") or "")
+    parts = str(volume).split(":")
+    return (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
+
+
+def _is_bind(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def _check_volumes(model: Mapping[str, Any]) -> list[str]:
+    """Bind-mounted files exist in the repository; named volumes are declared."""
+    services: Mapping[str, Any] = model.get("services") or {}
+    declared = set(model.get("volumes") or {})
+    base = model.get(COMPOSE_DIR)
+    problems = []
+    for name, spec in services.items():
+        for volume in spec.get("volumes") or []:
+            source, _ = _volume_parts(volume)
+            if not source:
+                continue
+            if _is_bind(source):
+                if base is not None and source.startswith(".") and not (Path(base) / source).exists():
+                    problems.append(f"{name}: mounts {source}, which does not exist next to the compose file")
+            elif source not in declared:
+                problems.append(f"{name}: uses volume {source!r}, which the top-level volumes do not declare")
+    return problems
+
+
+def scrape_targets(prometheus_config: Mapping[str, Any]) -> list[tuple[str, str, int, str]]:
+    """(job, host, port, metrics path) of every target of a Prometheus config (static and DNS)."""
+    out = []
+    for job in prometheus_config.get("scrape_configs") or []:
+        name, path = str(job.get("job_name")), str(job.get("metrics_path") or "/metrics")
+        for static in job.get("static_configs") or []:
+            for target in static.get("targets") or []:
+                host, _, port = str(target).rpartition(":")
+                out.append((name, host, int(port) if port.isdigit() else -1, path))
+        for dns in job.get("dns_sd_configs") or []:
+            out += [(name, str(host), int(dns.get("port", -1)), path) for host in dns.get("names") or []]
+    return out
+
+
+def prometheus_config_file(model: Mapping[str, Any]) -> tuple[str, Path] | None:
+    """(service, file in the repository) of the Prometheus scrape config the compose file mounts."""
+    base = model.get(COMPOSE_DIR)
+    for name, spec in (model.get("services") or {}).items():
+        for volume in spec.get("volumes") or []:
+            source, target = _volume_parts(volume)
+            if target == PROMETHEUS_CONFIG and _is_bind(source) and base is not None:
+                return name, Path(base) / source
+    return None
+
+
+def _check_scrape(model: Mapping[str, Any]) -> list[str]:
+    """Every component's /metrics is scraped, on the port and address it serves, and nothing else is."""
+    services: Mapping[str, Any] = model.get("services") or {}
+    served = {name: metrics_endpoints(spec) for name, spec in services.items()}
+    served = {name: ends for name, ends in served.items() if ends}
+    found = prometheus_config_file(model)
+    if found is None:
+        return [f"no prometheus service mounts a scrape config at {PROMETHEUS_CONFIG}, but {sorted(served)} "
+                "serve /metrics"] if served else []
+    prom, path = found
+    if not path.is_file():
+        return []  # _check_volumes reports it
+    try:
+        targets = scrape_targets(yaml.safe_load(path.read_text()) or {})
+    except (yaml.YAMLError, AttributeError, ValueError) as exc:
+        return [f"{prom}: {path.name} is not a Prometheus config: {exc}"]
+    problems = []
+    scraped = set()
+    for job, host, port, metrics_path in targets:
+        if host not in services:
+            problems.append(f"{prom}: job {job} scrapes {host}:{port}, and {host} is not a service")
+            continue
+        scraped.add(host)
+        ends = served.get(host, [])
+        ports = {p for p, _ in ends}
+        if not ends:
+            problems.append(f"{prom}: job {job} scrapes {host}:{port}, but {host} serves no /metrics "
+                            "(no metrics port set)")
+        elif port not in ports:
+            problems.append(f"{prom}: job {job} scrapes {host}:{port}, but {host} serves /metrics on "
+                            f"{sorted(ports)}")
+        elif any(p == port and bind in LOOPBACK for p, bind in ends):
+            problems.append(f"{prom}: job {job} scrapes {host}:{port}, but {host} binds it to loopback only "
+                            "(set its metrics host to 0.0.0.0)")
+        if metrics_path != "/metrics":
+            problems.append(f"{prom}: job {job} scrapes {metrics_path}; boltstream serves /metrics")
+    for name in sorted(set(served) - scraped):
+        problems.append(f"{name}: serves /metrics on {[p for p, _ in served[name]]}, but no job of {prom} "
+                        "scrapes it")
+    return problems
 
 
 def _check_env(name: str, spec: Mapping[str, Any], lines: list[list[str]]) -> list[str]:
@@ -255,7 +394,7 @@ def check_compose(model: Mapping[str, Any]) -> list[str]:
         problems += [f"{name}: {why}" for argv in ls if (why := check_command(argv))]
         problems += _check_env(name, services[name], ls)
     return problems + _check_topics(services, lines) + _check_images(services) + _check_ports(services) \
-        + _check_order(services)
+        + _check_order(services) + _check_volumes(model) + _check_scrape(model)
 
 
 def check_env_example(compose_texts: Iterable[str], env_example: str) -> list[str]:

@@ -46,6 +46,7 @@ from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 from boltstream.schemas import records
 
+from . import exporter_metrics
 from .normalise import SpanNormaliser
 from .propagation import install_rollout_propagator
 from .rollout_processor import install_rollout_processor
@@ -169,6 +170,8 @@ class KafkaSpanExporter(SpanExporter):
         if config.install_rollout_processor:  # and the propagator: the worker must see the same ids
             install_rollout_processor()
             install_rollout_propagator(config.defaults.ids)
+        # OTel metric instruments in the host's own MeterProvider (no-op without one).
+        self.instruments = exporter_metrics.install(self)
         if spool_directory(config.spool_dir, self.topic) is not None:
             self._ensure_thread()  # a previous run's spool is delivered now, not at the first span
         if hasattr(os, "register_at_fork"):  # weakly: a fork hook must not keep exporters alive

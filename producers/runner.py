@@ -40,6 +40,7 @@ from boltstream.errors import ConfigError
 from .agent import AgentInvoker, load_agent
 from .consuming import Entry, OffsetTracker
 from .context import RolloutTimeout, rollout
+from .runner_metrics import RunnerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class RunnerConfig:
     exit_when_idle_s: float | None = opt(None, "exit after this long with nothing to do")
     tasks_per_version: int | None = opt(None, "start at most N tasks per policy version the worker serves "
                                               "(pace the runner to the learner)")
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
+    metrics_host: str = opt("127.0.0.1", "address of the /metrics server")
     spool_dir: str = opt("auto", "the span exporter's on-disk spool, which keeps spans through broker "
                                  "outages and restarts ('auto': $XDG_STATE_HOME/boltstream/spool/<topic>, "
                                  "i.e. ~/.local/state/...; 'off': none)")
@@ -86,6 +89,8 @@ class RunnerConfig:
                                   "needs --base-url (the worker whose policy version paces the runner)")
         if self.rollout_timeout_s <= 0:
             raise ConfigError("rollout_timeout_s", self.rollout_timeout_s, "must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", self.metrics_port, "must be 0-65535")
 
     @property
     def group(self) -> str:
@@ -123,6 +128,7 @@ class Runner:
         self._dlq: Any = None
         self._exporter: Any = None
         self._needs_flush = False
+        self.metrics = RunnerMetrics()
 
     def stop(self) -> None:
         self._stop.set()
@@ -133,6 +139,8 @@ class Runner:
     async def _attempt(self, task_id: str, task: dict[str, Any], i: int) -> None:
         async with self._sem:
             started = time.monotonic()
+            status = "ok"
+            self.metrics.running.inc()
             try:
                 with rollout(task_id, i, run_id=self.config.run_id, task=task, base_url=self.config.base_url,
                              tracer_provider=self._provider, agent_name=self.agent_name) as ctx:
@@ -141,14 +149,19 @@ class Runner:
                 log.info("task %s attempt %d: ok in %.2fs, rewards %s", task_id, i, time.monotonic() - started,
                          [(n, v) for n, v, final, _ in ctx.rewards if final])
             except RolloutTimeout as exc:
+                status = "timeout"
                 log.warning("task %s attempt %d: timeout (%s)", task_id, i, exc)
             except asyncio.CancelledError:
+                status = "cancelled"
                 log.warning("task %s attempt %d: cancelled at shutdown", task_id, i)
                 raise
             except Exception as exc:
+                status = "failed"
                 log.warning("task %s attempt %d: failed: %s: %s", task_id, i, type(exc).__name__, exc)
             finally:
                 self.attempts_done += 1
+                self.metrics.running.dec()
+                self.metrics.attempts.labels(status).inc()
         if self.invoker.over_limit():
             log.error("%d agent threads hung past the time limit; exiting so a supervisor restarts this "
                       "runner", self.invoker.abandoned)
@@ -164,6 +177,7 @@ class Runner:
         except Exception as exc:
             await self._dead_letter(record, f"undecodable task: {type(exc).__name__}: {exc}")
         else:
+            self.metrics.tasks.inc()
             group = task_rec.get("group_size") or self.config.group_size
             await asyncio.gather(*(self._attempt(task_rec["task_id"], task, i) for i in range(group)),
                                  return_exceptions=True)
@@ -173,6 +187,7 @@ class Runner:
 
     async def _dead_letter(self, record: Any, reason: str) -> None:
         """The task's offset is marked done only after the broker acked its dead letter."""
+        self.metrics.dead_letters.inc()
         await (await self._dlq.reject(record, reason, "undecodable"))
 
     # ---------------------------------------------------------------- offsets
@@ -227,6 +242,7 @@ class Runner:
         for tp in gone:
             self._uncommitted.pop(tp, None)
         if lost:
+            self.metrics.retried.inc(lost)
             log.warning("%d running task(s) lost their partition; the new owner re-runs them "
                         "(same attempt ids, deduplicated downstream)", lost)
         self._revoked = set()
@@ -248,6 +264,7 @@ class Runner:
         self._dlq = DeadLetterWriter(settings, self._codec, "runner")  # its producer starts on first use
         self._exporter = KafkaSpanExporter(settings=settings, install_rollout_processor=False,
                                            spool_dir=self.config.spool_dir)
+        self.metrics.watch_exporter(self._exporter)
         self._provider = setup_tracing(settings, service_name="boltstream-runner", exporter=self._exporter)
         runner = self
 
@@ -340,12 +357,15 @@ def main(argv: list[str]) -> int:
 
 async def _main(config: RunnerConfig) -> tuple[int, int]:
     runner = Runner(config)
+    if config.metrics_port is not None:
+        runner.metrics.serve(config.metrics_host, config.metrics_port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.stop)
     try:
         code = await runner.run()
     finally:
+        runner.metrics.close()
         runner.invoker.shutdown()
         from opentelemetry import trace
 

@@ -109,6 +109,8 @@ class Accumulator:
         self._pending: set[asyncio.Task[None]] = set()
         # The time a close reads (markers, retries, created_ns): wall clock live, event time in a replay.
         self.clock_ns: Callable[[], int] = time.time_ns
+        # Told how long each save took, sent to acknowledged (the worker's metrics); None: nobody asks.
+        self.on_saved: Callable[[float], None] | None = None
 
     # ------------------------------------------------------------- subclass hooks
 
@@ -199,6 +201,7 @@ class Accumulator:
         the producer refuses or the broker does not acknowledge are handed to
         :meth:`unsaved` (the DLQ); the other entries' chunks are written regardless.
         """
+        started = time.monotonic()
         written: list[tuple[Entry, bytes, list[Staged], asyncio.Future[Any]]] = []
         for entry in entries:
             staged, entry.unsaved = entry.unsaved, []
@@ -216,6 +219,8 @@ class Accumulator:
                 await ack
             except Exception as exc:  # the broker refused it or the producer gave up
                 await self._not_kept(entry, chunk_key, run, exc)
+        if written and self.on_saved is not None:
+            self.on_saved(time.monotonic() - started)
 
     async def _not_kept(self, entry: Entry, chunk_key: bytes, run: Sequence[Staged], exc: BaseException) -> None:
         log.error("%s %s: %d item(s) not kept (%s: %s); sent to the DLQ", self.kind, entry.key, len(run),

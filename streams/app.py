@@ -42,6 +42,7 @@ from boltstream.kafka import HEARTBEAT_INTERVAL_MS, REBALANCE_TIMEOUT_MS, SESSIO
 from boltstream.schemas import Codec
 
 from .config import StreamConfig, load_stream_config
+from .metrics import StreamMetrics, consumer_lag
 from .stages import GroupStage, RolloutStage
 from .tables import ChangelogMap, catch_up
 from .transport import StreamFaustApp
@@ -138,6 +139,10 @@ class StreamApp:
             app.batch_handlers[self.trajectories_topic.get_topic_name()] = self._group_batch
         app.timer(interval=config.tick_s, name="close-due")(self._tick)
         app.timer(interval=config.log_every_s, name="log-stats")(self._log_stats)
+        self.metrics = StreamMetrics()
+        self.rollouts.on_saved = lambda s: self.metrics.observe_save("rollout", s)
+        self.groups.on_saved = lambda s: self.metrics.observe_save("group", s)
+        app.timer(interval=config.tick_s, name="metrics")(self._refresh_metrics)
         self.rollout_tables[0].table.on_recover(self._on_recover)
         app.on_partitions_revoked.connect(self._on_revoked)
         app.on_before_shutdown.connect(self._on_shutdown)
@@ -243,8 +248,19 @@ class StreamApp:
             self._last_stats = current
             self._log_counters()
 
+    async def _refresh_metrics(self) -> None:
+        """Copy the counters and the consumer lag for the /metrics thread (streams/metrics.py)."""
+        topics = (self.spans_topic.get_topic_name(), self.trajectories_topic.get_topic_name())
+        try:
+            lag = consumer_lag(self.faust.consumer, topics)
+        except Exception as exc:  # no consumer yet (starting) or one being rebuilt: keep the counters coming
+            log.debug("consumer lag unavailable: %s", exc)
+            lag = {}
+        self.metrics.refresh(self.counters(), lag)
+
     def cleanup(self) -> None:
-        """Remove the private data directory (call after the worker stopped)."""
+        """Stop the metrics server, remove the private data directory (call after the worker stopped)."""
+        self.metrics.close()
         shutil.rmtree(self.datadir, ignore_errors=True)
 
 

@@ -85,6 +85,8 @@ class StreamConfig:
     fast_consumer: bool = opt(True, "skip faust's four-task-per-record wait when nothing can block "
                                     "(streams.fastpath); --no-fast-consumer uses faust's stock delivery")
     log_every_s: float = opt(30.0, "period of the worker's progress log line")
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
+    metrics_host: str = opt("127.0.0.1", "address of the /metrics server")
     profile: str | None = opt(None, "write a profile of the worker (yappi if installed, else cProfile) "
                                     "here on exit")
 
@@ -97,6 +99,8 @@ class StreamConfig:
         for name in ("grace_s", "reward_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", self.metrics_port, "must be 0-65535")
         if self.group_size < 1:
             raise ConfigError("group_size", self.group_size, "must be >= 1")
         if not self.store.startswith(("memory://", "rocksdb://", "aerospike://")):

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 OUTPUTS = ("trajectories", "batches", "dlq", replay_marker.TOPIC)  # the marker topic: written last, see below
 # StreamConfig settings that only a faust worker uses (and the live namespace, which has its own flag).
-NOT_REPLAYED = ("app_id", "store", "commit_interval_s", "fast_consumer", "log_every_s", "profile", "namespace")
+NOT_REPLAYED = ("app_id", "store", "commit_interval_s", "fast_consumer", "log_every_s", "profile", "namespace",
+                "metrics_port", "metrics_host")
 REPLAY_SETTINGS = tuple(k.name for k in knobs(StreamConfig) if k.name not in NOT_REPLAYED)
 TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 PROGRESS_EVERY_S = 10.0

@@ -114,6 +114,8 @@ def run_worker(config: StreamConfig, loglevel: str = "info") -> int:
         config.group_timeout_s,
     )
     log.info("credit: %s", config.credit)
+    if config.metrics_port is not None:
+        stream_app.metrics.serve(config.metrics_host, config.metrics_port)
     tune_gc()
     worker = faust.Worker(
         stream_app.faust,

@@ -36,6 +36,7 @@ from boltstream.runs.pipeline import (
     read_jsonl,
     worker_version,
 )
+from boltstream.status import ENDPOINTS_FILE
 from boltstream.streams.config import StreamConfig
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             port = free_port()
             base_url = f"http://127.0.0.1:{port}/v1"
             argv = cfg.argv(port=port, base_url=base_url, metrics_path=metrics_path)
+            # For `boltstream status --run OUT`: the addresses this run's components answer on.
+            (out / ENDPOINTS_FILE).write_text(json.dumps({"workers": [f"http://127.0.0.1:{port}"]}) + "\n")
             procs.start("worker", *argv["worker"])
             wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
 

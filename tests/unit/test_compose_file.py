@@ -116,6 +116,19 @@ BREAKAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
               "depends_on cycle: redpanda -> topics -> redpanda"),
     "one-shot that restarts": (lambda m: m["services"]["topics"].update(restart="always"),
                                "waits for topics to complete, but topics restarts forever"),
+    "scraped on another port": (
+        lambda m: m["services"]["stream"]["environment"].update(BOLTSTREAM_STREAM_METRICS_PORT="9200"),
+        "job stream scrapes stream:9100, but stream serves /metrics on [9200]"),
+    "metrics on loopback": (
+        lambda m: m["services"]["stream"]["environment"].update(BOLTSTREAM_STREAM_METRICS_HOST="127.0.0.1"),
+        "job stream scrapes stream:9100, but stream binds it to loopback only"),
+    "scraped without a metrics port": (
+        lambda m: _cmd(m, "learner", ["boltstream", "learn", "--model", "smollm2", "--model-name", "policy"]),
+        "job learner scrapes learner:9101, but learner serves no /metrics"),
+    "mounted file missing": (lambda m: m["services"]["grafana"]["volumes"].append("./grafana/nothing:/x:ro"),
+                             "grafana: mounts ./grafana/nothing, which does not exist next to the compose file"),
+    "undeclared volume": (lambda m: m["services"]["prometheus"]["volumes"].append("prom-data:/prometheus"),
+                          "prometheus: uses volume 'prom-data', which the top-level volumes do not declare"),
 }
 
 
@@ -222,3 +235,41 @@ def test_the_readme_production_section_matches_the_compose_file(model: dict[str,
 
 def _host(mapping: Any) -> str:
     return str(mapping).split(":")[0]
+
+
+def test_the_scrape_config_names_only_services_and_every_metrics_port(model: dict[str, Any], tmp_path: Path) -> None:
+    import yaml
+
+    from boltstream.compose_check import prometheus_config_file, scrape_targets
+
+    service, path = prometheus_config_file(model) or ("", Path())
+    assert service == "prometheus" and path == INFRA / "prometheus" / "prometheus.yml"
+    jobs = {job for job, *_ in scrape_targets(yaml.safe_load(path.read_text()))}
+    assert jobs == {"stream", "learner", "inference", "runner"}
+    # a copy of the scrape config that forgets the runner and scrapes a host that is no service
+    scrape = yaml.safe_load(path.read_text())
+    scrape["scrape_configs"] = [j for j in scrape["scrape_configs"] if j["job_name"] != "runner"]
+    scrape["scrape_configs"].append({"job_name": "agent", "static_configs": [{"targets": ["agent:9464"]}]})
+    copy_path = tmp_path / "prometheus.yml"
+    copy_path.write_text(yaml.safe_dump(scrape))
+    broken = copy.deepcopy(model)
+    broken["services"]["prometheus"]["volumes"][0] = f"{copy_path}:/etc/prometheus/prometheus.yml:ro"
+    problems = check_compose(broken)
+    assert "prometheus: job agent scrapes agent:9464, and agent is not a service" in problems, problems
+    assert "runner: serves /metrics on [9102], but no job of prometheus scrapes it" in problems, problems
+
+
+def test_the_dashboard_is_provisioned_on_the_provisioned_data_source() -> None:
+    import json
+
+    import yaml
+
+    dash = json.loads((INFRA / "grafana" / "dashboards" / "boltstream.json").read_text())
+    source = yaml.safe_load((INFRA / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    provider = yaml.safe_load((INFRA / "grafana" / "provisioning" / "dashboards" / "boltstream.yml").read_text())
+    uid = source["datasources"][0]["uid"]
+    targets = [t for p in dash["panels"] for t in p.get("targets", [])]
+    assert targets and all(t["expr"].strip() and t["datasource"]["uid"] == uid for t in targets)
+    grafana = load_compose([BASE])["services"]["grafana"]
+    mounted = {v.split(":")[1] for v in grafana["volumes"]}
+    assert provider["providers"][0]["options"]["path"] in mounted

@@ -157,3 +157,37 @@ def test_runner_config_validation() -> None:
     # a second pass reads the tasks again in a group of its own, unless told which group
     assert RunnerConfig(agent="m:f", run_id="p2").group == "boltstream.runners.p2"
     assert RunnerConfig(agent="m:f", run_id="p2", group_id="g").group == "g"
+
+
+def test_runner_metrics_count_attempts_by_status() -> None:
+    import urllib.request
+
+    from boltstream.producers.runner import Runner
+
+    def agent(task: dict[str, Any]) -> str:
+        if task.get("fail"):
+            raise ValueError("no")
+        return "ok"
+
+    runner = Runner(RunnerConfig(agent="x:y", workers=2), agent=agent)
+
+    async def go() -> None:
+        await asyncio.gather(runner._attempt("t1", {}, 0), runner._attempt("t2", {"fail": True}, 0))
+
+    try:
+        asyncio.run(go())
+        m = runner.metrics
+        assert m.attempts.labels("ok")._value.get() == 1
+        assert m.attempts.labels("failed")._value.get() == 1
+        assert m.attempts.labels("timeout")._value.get() == 0
+        assert m.running._value.get() == 0
+        port = m.serve("127.0.0.1", 0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'boltstream_runner_attempts_total{status="failed"} 1.0' in text
+        assert "boltstream_runner_attempts_running 0.0" in text
+    finally:
+        runner.metrics.close()
+        runner.invoker.shutdown()
+    with pytest.raises(ConfigError, match="metrics_port"):
+        RunnerConfig(agent="x:y", metrics_port=-1)
