@@ -43,6 +43,7 @@ from boltstream import s3 as s3_mod
 from boltstream.dlq import DeadLetterWriter
 from boltstream.kafka import producer_kwargs, wait_for_broker
 from boltstream.schemas import Codec
+from boltstream.tracking import open_trackers
 from boltstream.weights.checkpoints import announce_checkpoint
 
 from .checkpointing import LearnerState, fetch_resume, prune, publish
@@ -143,7 +144,10 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     offline_state = state.offline  # what checkpoints keep once the offline phase is over
     sink: MetricsSink | None = None
     try:
-        sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)
+        trackers = open_trackers(cfg.report_to, cfg.tracking_path, cfg.name, group=cfg.run_name)
+        sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name,
+                           trackers=trackers)
+        trackers.log_params(cfg.to_dict())
         await producer.start()
         if offline is None:
             await source.start()
@@ -200,7 +204,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
             data.assembler.commit(inp)
             step, version, samples_trained = step + 1, version + 1, samples_trained + len(inp.samples)
 
-            # 3c. metrics: console, Prometheus, JSONL (with the sample ids trained)
+            # 3c. metrics: console, Prometheus, JSONL (with the sample ids trained), --report-to trackers
             now = time.perf_counter()
             record = step_record(step, version, metrics, inp, wall_seconds=now - last_step_at,
                                  dropped_total=assembler.dropped, lr=lr)
