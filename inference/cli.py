@@ -38,6 +38,9 @@ class ServeConfig:
     settings: Settings = dataclasses.field(default_factory=Settings)
     model: str = opt("smollm2", "smollm2 | tiny | an HF model directory | a .gguf file")
     served_model_name: str | None = opt(None, "name clients use in 'model' (default: derived from --model)")
+    strict_model_names: bool = opt(False, "answer 404 model_not_found to a 'model' that is neither the served "
+                                          "name nor an adapter (default: serve any other name as an alias "
+                                          "of the policy)")
     host: str = opt("127.0.0.1", "listen address")
     port: int = opt(8000, "listen port (0: any free port)")
     backend: str = opt("transformers", "transformers (CPU) or vllm (GPU, extra [vllm])", choices=BACKENDS)
@@ -177,7 +180,7 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     names = tuple(dict.fromkeys((cfg.name, cfg.model)))
     return create_app(backend, sink=sink, served_names=names, follower=follower, status=status,
                       metrics=metrics, default_max_tokens=cfg.default_max_tokens, api_key=cfg.api_key,
-                      adapters=adapters)
+                      adapters=adapters, strict_model_names=cfg.strict_model_names)
 
 
 def main(argv: list[str]) -> int:

@@ -111,11 +111,12 @@ def _int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> 
     return v
 
 
-def check_model(body: Mapping[str, Any], served: tuple[str, ...]) -> str:
+def check_model(body: Mapping[str, Any], served: tuple[str, ...], strict: bool = True) -> str:
+    """The request's ``model``; with ``strict``, one of ``served`` (else 404 ``model_not_found``)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
-    if model not in served:
+    if strict and model not in served:
         raise ApiError(404, f"The model '{model}' does not exist; this worker serves {', '.join(served)}",
                        param="model", code="model_not_found")
     return model

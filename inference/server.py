@@ -10,7 +10,10 @@ waits for a version, of ``&adapter=NAME`` when given, so tests and benchmarks ne
 set a base URL; the ids are taken from the path.
 
 Every error is an OpenAI-style body with a 4xx/5xx status; no request can
-take the worker down.
+take the worker down. A request's ``model`` may be any name: one the worker does not serve is
+an alias of its policy unless ``strict_model_names`` (``serve --strict-model-names``).
+:func:`create_app` wires the routes, one function per concern: completions, feedback,
+models, health and metrics.
 """
 
 from __future__ import annotations
@@ -96,18 +99,40 @@ def create_app(
     default_max_tokens: int = 256,
     api_key: str | None = None,
     adapters: tuple[AdapterSpec, ...] = (),
+    strict_model_names: bool = False,
 ) -> FastAPI:
     """The worker app; starting it (lifespan) starts the backend, the span sink and the checkpoint follower.
 
     With ``api_key``, ``/v1/...`` requests without that bearer token get 401 (:mod:`.auth`).
     ``adapters``: the named LoRA adapters ``backend`` serves; each is also a model name clients may send.
+    ``strict_model_names``: a request whose ``model`` is none of these names gets 404 ``model_not_found``;
+    by default any other name is served as an alias of the policy (docs/inference.md, Model names).
     """
     metrics = metrics or Metrics(served_names[0])
     status = status or ReloadStatus()
     served_names = tuple(dict.fromkeys((*served_names, *(a.name for a in adapters))))
     service = CompletionService(backend, sink, metrics, served_names=served_names,
-                                default_max_tokens=default_max_tokens, adapters=adapters)
-    created = int(time.time())
+                                default_max_tokens=default_max_tokens, adapters=adapters,
+                                strict_model_names=strict_model_names)
+    app = FastAPI(title="boltstream inference worker", docs_url=None, redoc_url=None,
+                  lifespan=_lifespan(backend, sink, metrics, adapters, follower))
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # inner: sees the path without /rollout/...
+    app.add_middleware(RolloutPathMiddleware)
+    app.state.service = service
+    app.state.metrics = metrics
+    app.state.reload_status = status
+    _add_error_handlers(app)
+    _add_completion_routes(app, service, metrics)
+    _add_feedback_route(app, sink, metrics)
+    _add_model_routes(app, backend, served_names, adapters, strict_model_names)
+    _add_health_routes(app, backend, served_names[0], adapters, follower, status, metrics)
+    return app
+
+
+def _lifespan(backend: Backend, sink: SpanSink, metrics: Metrics, adapters: tuple[AdapterSpec, ...],
+              follower: CheckpointFollower | None) -> Any:
+    """Start the backend, then the sink, then the follower; stop them in reverse, whatever failed."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,13 +155,11 @@ def create_app(
         finally:
             await backend.stop()
 
-    app = FastAPI(title="boltstream inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # inner: sees the path without /rollout/...
-    app.add_middleware(RolloutPathMiddleware)
-    app.state.service = service
-    app.state.metrics = metrics
-    app.state.reload_status = status
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style body: no request gets a bare 500 page or takes the worker down."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -161,11 +184,11 @@ def create_app(
         return JSONResponse(error_body(f"internal error: {exc}", "server_error", None, "internal_error"),
                             status_code=500)
 
-    def _context(request: Request) -> CallContext:
-        return CallContext.from_request(request.headers, getattr(request.state, "rollout_ids", None),
-                                        getattr(request.state, "capture", True))
 
-    async def _answer(request: Request, kind: str) -> Response:
+def _add_completion_routes(app: FastAPI, service: CompletionService, metrics: Metrics) -> None:
+    """``POST /v1/chat/completions`` and ``/v1/completions``: parse, route to an adapter, generate."""
+
+    async def answer(request: Request, kind: str) -> Response:
         body = parse_json(await request.body())
         endpoint = "chat" if kind == "chat" else "completions"
         try:
@@ -174,7 +197,8 @@ def create_app(
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
-        ctx = _context(request)
+        ctx = CallContext.from_request(request.headers, getattr(request.state, "rollout_ids", None),
+                                       getattr(request.state, "capture", True))
         if req.stream:
             return StreamingResponse(service.stream(req, ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -182,11 +206,15 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, "chat")
+        return await answer(request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, "completion")
+        return await answer(request, "completion")
+
+
+def _add_feedback_route(app: FastAPI, sink: SpanSink, metrics: Metrics) -> None:
+    """``POST /v1/feedback``: 202 once the broker acknowledged the reward span."""
 
     @app.post("/v1/feedback", status_code=202)
     async def feedback(request: Request) -> dict[str, Any]:
@@ -206,25 +234,36 @@ def create_app(
         return {"object": "feedback", "status": "accepted", "rollout_key": fb.key, "span_id": fb.span_id,
                 "name": fb.name, "reward": fb.value}
 
-    adapter_names = {a.name for a in adapters}
 
-    def _model_card(name: str) -> dict[str, Any]:
-        card = {"id": name, "object": "model", "created": created, "owned_by": "boltstream",
-                "root": served_names[0], "max_model_len": backend.max_context,
-                "policy_version": backend.version_of(name if name in adapter_names else None)}
+def _add_model_routes(app: FastAPI, backend: Backend, served_names: tuple[str, ...],
+                      adapters: tuple[AdapterSpec, ...], strict_model_names: bool) -> None:
+    """``GET /v1/models`` (the served names) and ``/v1/models/{name}`` (any name unless strict: an alias)."""
+    adapter_names = {a.name for a in adapters}
+    created = int(time.time())
+
+    def card(name: str) -> dict[str, Any]:
+        out = {"id": name, "object": "model", "created": created, "owned_by": "boltstream",
+               "root": served_names[0], "max_model_len": backend.max_context,
+               "policy_version": backend.version_of(name if name in adapter_names else None)}
         if name in adapter_names:
-            card["adapter"] = name
-        return card
+            out["adapter"] = name
+        return out
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(n) for n in served_names]}
+        return {"object": "list", "data": [card(n) for n in served_names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
-        if name not in served_names:
+        if strict_model_names and name not in served_names:
             raise ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return _model_card(name)
+        return card(name)
+
+
+def _add_health_routes(app: FastAPI, backend: Backend, model_name: str, adapters: tuple[AdapterSpec, ...],
+                       follower: CheckpointFollower | None, status: ReloadStatus, metrics: Metrics) -> None:
+    """``GET /health`` (versions, reload state; ``?min_version=&timeout=`` waits) and ``GET /metrics``."""
+    adapter_names = {a.name for a in adapters}
 
     @app.get("/health")
     async def health(min_version: int | None = None, min_failures: int | None = None,
@@ -242,7 +281,7 @@ def create_app(
             await status.wait_until(ready, min(timeout, MAX_HEALTH_WAIT))
         return {
             "status": "ok",
-            "model": served_names[0],
+            "model": model_name,
             "policy_version": backend.policy_version,
             "condition_met": ready(),
             "reloads": status.reloads,
@@ -262,5 +301,3 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
-
-    return app

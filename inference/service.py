@@ -34,6 +34,10 @@ from boltstream.inference.protocol import ApiError
 from boltstream.producers.feedback import completion_id
 
 log = logging.getLogger(__name__)
+# Model names served as aliases are each logged once; past this many the rest are served unlogged
+# (a client that puts a request id in `model` must not grow the worker's memory).
+MAX_ALIASES_LOGGED = 1000
+
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -43,8 +47,11 @@ class CompletionService:
     """Turns parsed OpenAI requests into generations, spans and responses."""
 
     def __init__(self, backend: Backend, sink: SpanSink, metrics: Metrics, *, served_names: tuple[str, ...],
-                 default_max_tokens: int = 256, adapters: tuple[AdapterSpec, ...] = ()) -> None:
+                 default_max_tokens: int = 256, adapters: tuple[AdapterSpec, ...] = (),
+                 strict_model_names: bool = False) -> None:
         self.backend = backend
+        self.strict_model_names = strict_model_names
+        self._aliases_seen: set[str] = set()
         self.adapters = adapters
         self.sink = sink
         self.metrics = metrics
@@ -57,8 +64,18 @@ class CompletionService:
 
     # ---------------------------------------------------------------- parsing
 
+    def _model(self, body: dict[str, Any]) -> str:
+        """The request's model name: a served one, or (unless strict) any other, served as an alias."""
+        model = P.check_model(body, self.served_names, self.strict_model_names)
+        if model not in self.served_names and model not in self._aliases_seen:
+            if len(self._aliases_seen) < MAX_ALIASES_LOGGED:
+                self._aliases_seen.add(model)
+                log.info("serving model name %r as an alias of %s (serve --strict-model-names refuses names "
+                         "it does not serve)", model, self.served_names[0])
+        return model
+
     def parse_chat(self, body: dict[str, Any]) -> P.ParsedRequest:
-        model = P.check_model(body, self.served_names)
+        model = self._model(body)
         tools = validate_tools(body.get("tools"))
         tool_choice = body.get("tool_choice")
         if tool_choice == "none":
@@ -71,7 +88,7 @@ class CompletionService:
                                tool_choice, messages=body.get("messages"))
 
     def parse_completion(self, body: dict[str, Any]) -> P.ParsedRequest:
-        model = P.check_model(body, self.served_names)
+        model = self._model(body)
         prompts, texts = P.parse_prompts(body, self.tokenizer)
         params = P.parse_sampling(body, [len(p) for p in prompts], self.backend.max_context,
                                   self.default_max_tokens)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 from boltstream.log_range import LogRangeError, parse_position
+from boltstream.tracking import REPORT_TO_HELP, check_installed, parse_report_to
 
 from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
 from .offline_source import TOPIC_PREFIX, parquet_files
@@ -154,6 +155,9 @@ class LearnerConfig:
     metrics_path: str | None = opt(None, "append one JSON line per step / checkpoint / resume here")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
     metrics_host: str = opt("127.0.0.1", "address of the /metrics server")
+    report_to: tuple[str, ...] = opt((), REPORT_TO_HELP)
+    tracking_dir: str | None = opt(None, "where --report-to trackers write (default: tracking/ next to "
+                                         "--metrics-path, else runs/<model name>)")
     # --- DeepSpeed ZeRO (extra [deepspeed]); ranks from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
     deepspeed: bool = opt(False, "DeepSpeed ZeRO backend (extra [deepspeed]); ranks from "
                                  "RANK/WORLD_SIZE/MASTER_*")
@@ -174,6 +178,8 @@ class LearnerConfig:
                 0 < self.malloc_mmap_threshold_kb <= GLIBC_MAX_MMAP_THRESHOLD_KB):
             raise ConfigError("malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
                               f"must be 1..{GLIBC_MAX_MMAP_THRESHOLD_KB} (or none for glibc's own)")
+        object.__setattr__(self, "report_to", parse_report_to(self.report_to))
+        check_installed(self.report_to)  # before the model loads: the error names the extra to install
         if self.lr_warmup_steps < 0:
             raise ConfigError("lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
         if not self.checkpoint_retry_s >= 0:  # NaN too
@@ -239,6 +245,15 @@ class LearnerConfig:
         return f"{self.settings.namespace.rstrip('.') or 'boltstream'}/{self.name}"
 
     @property
+    def tracking_path(self) -> Path:
+        """Where the ``report_to`` trackers write."""
+        if self.tracking_dir:
+            return Path(self.tracking_dir)
+        if self.metrics_path:
+            return Path(self.metrics_path).parent / "tracking"
+        return Path("runs") / self.name
+
+    @property
     def role_spec(self) -> Role | None:
         """The parsed ``role`` (None: train every sample)."""
         return None if self.role is None else parse_role(self.role)
@@ -257,6 +272,7 @@ class LearnerConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("settings", "step")}
         out.update(dataclasses.asdict(self.step))
         out["lora_targets"] = list(self.lora_targets)
+        out["report_to"] = list(self.report_to)
         out["run"] = self.run_name
         out["model_name"] = self.name
         return out

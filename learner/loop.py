@@ -46,6 +46,7 @@ from boltstream import s3 as s3_mod
 from boltstream.dlq import DeadLetterWriter
 from boltstream.kafka import producer_kwargs, wait_for_broker
 from boltstream.schemas import Codec
+from boltstream.tracking import open_trackers
 from boltstream.weights.checkpoints import announce_checkpoint
 
 from .checkpointing import LearnerState, Resumed, fetch_resume, prune, publish
@@ -130,7 +131,10 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
     run = _Run(cfg, workdir, stop, say, on_model_thread, s3, trainer, state, tracker, source, producer, codec,
                offline, RunResult(state.step, state.version, state.version if resumed.manifest else None, trainer))
     try:
-        run.sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name)
+        trackers = open_trackers(cfg.report_to, cfg.tracking_path, cfg.name, group=cfg.run_name)
+        run.sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name,
+                               trackers=trackers)
+        trackers.log_params(cfg.to_dict())
         await producer.start()
         if offline is None:
             await source.start()

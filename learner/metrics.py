@@ -1,4 +1,5 @@
-"""Per-step learner metrics, to three places: the console log, Prometheus, a JSONL file.
+"""Per-step learner metrics, to three places: the console log, Prometheus, a JSONL file
+(and to the ``--report-to`` experiment trackers, :mod:`boltstream.tracking`, when asked).
 
 The JSONL file is the durable record: one line per step (``"event": "step"``) with the
 losses, reward/advantage statistics, the staleness histogram, throughput, drop counters
@@ -20,12 +21,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from boltstream.tracking import Trackers
+
 from .groups import StepInput
 from .memory import peak_rss_mb
 from .step import StepMetrics
 
 logger = logging.getLogger(__name__)
 
+# Step-record fields that are not metrics (the step is the x axis; the time is the tracker's own)
+NOT_TRACKED = ("event", "time", "step")
 # StepMetrics fields exported as gauges (name -> help)
 GAUGES = {
     "loss": "policy loss of the last step",
@@ -102,7 +107,8 @@ class MetricsSink:
     """Writes step records to the log, the JSONL file and (optionally) a Prometheus endpoint."""
 
     def __init__(self, path: str | Path | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 model_name: str = "model") -> None:
+                 model_name: str = "model", trackers: Trackers | None = None) -> None:
+        self.trackers = trackers or Trackers()
         self.path = Path(path) if path else None
         self._file = None
         if self.path is not None:
@@ -164,6 +170,7 @@ class MetricsSink:
                     self._staleness.labels(m).observe(int(key))
         logger.info("%s", format_step(record))
         self.write(record)
+        self.trackers.log_metrics({k: v for k, v in record.items() if k not in NOT_TRACKED}, int(record["step"]))
 
     def sync_dropped(self, total: Mapping[str, int]) -> None:
         """Bring the drop counters up to the assembler's cumulative counts (records dropped between
@@ -182,6 +189,7 @@ class MetricsSink:
         self.write({"event": event, "time": time.time(), **fields})
 
     def close(self) -> None:
+        self.trackers.close()
         if self._file is not None:
             self._file.close()
             self._file = None

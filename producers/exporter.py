@@ -349,11 +349,16 @@ class KafkaSpanExporter(SpanExporter):
         return spool is None or spool.wait_settled(max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
-        """Flush (bounded by ``flush_timeout_ms``), stop the loop, count what was left as dropped."""
+        """End the process's rollout (env ids), flush (bounded by ``flush_timeout_ms``), stop the loop,
+        count what was left as dropped."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+        try:
+            self._end_rollout()
+        except Exception:  # the flush below must still happen
+            log.exception("boltstream exporter: could not mark the rollout ended")
         try:
             if self._thread is not None:
                 self._wait_delivered(self.config.flush_timeout_ms / 1000)
@@ -376,6 +381,24 @@ class KafkaSpanExporter(SpanExporter):
                             left)
         except Exception:
             log.exception("boltstream exporter: shutdown failed")
+
+    def _end_rollout(self) -> None:
+        """A process given ``BOLTSTREAM_ROLLOUT_ID`` is one rollout: its exit ends it (:mod:`.rollout_end`).
+        Only after spans of its own were exported (a process that traced nothing has no rollout)."""
+        ids = self.config.defaults.ids
+        if records.ROLLOUT_ID not in ids or self._thread is None or self._counters.received == 0:
+            return
+        from .rollout_end import end_marker
+
+        if self._buffer.offer([end_marker(ids)], self.config.export_timeout_ms / 1000):
+            log.warning("boltstream exporter: buffer full; rollout %s not marked ended (it closes after the "
+                        "stream app's session_idle_s)", ids[records.ROLLOUT_ID])
+            return
+        loop, sender = self._loop, self._sender
+        if loop is not None and sender is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(sender.wake)
+        log.info("boltstream exporter: rollout %s ended with the process: end marker sent",
+                 ids[records.ROLLOUT_ID])
 
     def _close_spool(self, spool: Spool) -> None:
         """The sender has stopped: spans still in memory go to disk too, for the next start."""

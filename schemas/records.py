@@ -14,6 +14,9 @@ from typing import Any
 
 # Span names written by the rollout context (producers) and recognised by assembly (streams).
 ROLLOUT_SPAN = "boltstream.rollout"
+# Written by the exporter of a process that IS one rollout (BOLTSTREAM_ROLLOUT_ID) when it shuts down:
+# the rollout is over, the stream app closes it after grace_s instead of waiting session_idle_s.
+ROLLOUT_END_SPAN = "boltstream.rollout.end"
 REWARD_SPAN = "boltstream.reward"
 
 # Rollout identity, on every span of a rollout (and in OTel baggage, so it crosses processes).

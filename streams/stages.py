@@ -16,7 +16,9 @@ Rollout stage (spans topic, keyed by rollout id):
 * spans are accumulated by :func:`~boltstream.schemas.records.rollout_key`:
   explicit rollout id > conversation/session id > trace id;
 * what closes a rollout (docs/zero-code.md): the ``boltstream.rollout`` root span
-  (the runner), or for a rollout keyed by its trace id the trace's local root span
+  (the runner), the ``boltstream.rollout.end`` marker (the exporter of a process that
+  was one rollout, ``BOLTSTREAM_ROLLOUT_ID``, at its exit: producers/rollout_end.py),
+  or for a rollout keyed by its trace id the trace's local root span
   (no parent, not the inference worker's), each after ``grace_s`` (0: at once);
   otherwise no new span for ``session_idle_s`` (status ok). A rollout still
   missing a referenced parent span (an enclosing span, e.g. the runner's root,
@@ -60,7 +62,7 @@ from typing import Any
 
 from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
-from boltstream.schemas.records import RECORD_HEADROOM, REWARD_VALUE, rollout_key
+from boltstream.schemas.records import RECORD_HEADROOM, REWARD_VALUE, ROLLOUT_END_SPAN, rollout_key
 
 from .accumulator import Accumulator, Entry, Output, Staged
 from .assembly import InvalidRollout, assemble_trajectory_with_stats
@@ -209,7 +211,8 @@ class RolloutStage(_Stage):
                 entry.due = now  # the reward it was held for came
         root = is_rollout_root(item)
         state["root"] = state.get("root", False) or root
-        if entry.due is None and (root or (item.get("trace_id") == entry.key and is_local_root(item))):
+        ended = item.get("name") == ROLLOUT_END_SPAN  # the process that was this rollout exited
+        if entry.due is None and (root or ended or (item.get("trace_id") == entry.key and is_local_root(item))):
             entry.due = now + self.config.grace_s
 
     def expires_at(self, entry: Entry) -> float:

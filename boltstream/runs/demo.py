@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 from boltstream.examples.calc import tasks as calc_tasks
-from boltstream.processes import Processes
+from boltstream.runs.progress import choose_display
 from boltstream.runs.train import add_arguments, config_from_args, print_summary, run, stop_on_sigterm
 
 log = logging.getLogger(__name__)
@@ -29,65 +28,9 @@ CALC_AGENT = "boltstream.examples.calc.agent:solve"
 CALC_AIR_RULES = Path(calc_tasks.__file__).with_name("air.yaml")
 
 
-class LiveDisplay:
-    """A rich table of what each component is doing, refreshed while the learner trains."""
-
-    def __init__(self) -> None:
-        from rich.live import Live
-
-        self.live = Live(refresh_per_second=1, transient=False)
-        self.started = time.monotonic()
-        self.last = 0.0
-        self.spans = 0.0
-
-    def __enter__(self) -> LiveDisplay:
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.live.__exit__(*exc)
-
-    def update(self, rows: list[dict[str, Any]], version: int | None, procs: Processes, worker_port: int,
-               group_size: int) -> None:
-        now = time.monotonic()
-        if now - self.last < 1.0:
-            return
-        from rich.table import Table
-
-        spans = worker_counter(worker_port, "boltstream_inference_spans_total")
-        rate = (spans - self.spans) / (now - self.last) if self.last and spans >= self.spans else 0.0
-        self.last, self.spans = now, spans
-        t = Table(title=f"boltstream demo — {now - self.started:.0f}s")
-        t.add_column("component")
-        t.add_column("state")
-        for name, proc in procs.procs.items():
-            t.add_row(name, "running" if proc.poll() is None else f"exited {proc.returncode}")
-        last = rows[-1] if rows else {}
-        t.add_row("LLM calls captured (spans)", f"{spans:.0f} ({rate:.1f}/s)")
-        t.add_row("rollouts trained", str(sum(int(r.get("groups", 0)) for r in rows) * group_size))
-        t.add_row("samples trained", str(sum(int(r.get("samples", 0)) for r in rows)))
-        t.add_row("learner step", str(last.get("step", 0)))
-        t.add_row("training reward", f"{last.get('reward_mean', float('nan')):.3f}" if rows else "-")
-        t.add_row("policy version served", str(version))
-        self.live.update(t)
-
-
-def worker_counter(port: int, name: str) -> float:
-    """One counter from the inference worker's Prometheus ``/metrics`` (0 when unreachable)."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2.0) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="boltstream demo", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    p.add_argument("--no-live", action="store_true", help="plain log output instead of the live table")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the calculator agent's sampling temperature (the learner reads it from each span)")
     p.add_argument("--zero-code", action="store_true",
@@ -128,10 +71,7 @@ def main(argv: list[str]) -> int:
         **zero_code,
     )
     stop_on_sigterm()
-    if args.no_live:
-        summary = run(cfg, external=args.external)
-    else:
-        with LiveDisplay() as display:
-            summary = run(cfg, external=args.external, display=display)
+    with choose_display("boltstream demo", args.no_live) as display:
+        summary = run(cfg, external=args.external, display=display)
     print_summary(summary)
     return 0

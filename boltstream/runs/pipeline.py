@@ -226,8 +226,12 @@ def mean_and_se(per_task: list[float]) -> tuple[float, float]:
 
 
 def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url: str, samples: int,
-             threads: int = 8) -> dict[str, Any]:
-    """Held-out score: mean reward per task over ``samples`` attempts, then mean and SE over tasks."""
+             threads: int = 8, on_attempt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Held-out score: mean reward per task over ``samples`` attempts, then mean and SE over tasks.
+
+    ``on_attempt(done, total)`` is called as each attempt finishes (a run's progress lines).
+    """
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from boltstream.producers.context import RolloutContext
@@ -248,8 +252,19 @@ def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url
 
     jobs = [(t, k) for t in tasks for k in range(samples)]
     failures: list[str] = []
+    done = [0]
+    lock = threading.Lock()
+
+    def attempt(job: tuple[dict[str, Any], int]) -> float:
+        score = one(*job, failures)
+        if on_attempt is not None:
+            with lock:
+                done[0] += 1
+                on_attempt(done[0], len(jobs))
+        return score
+
     with ThreadPoolExecutor(threads) as pool:
-        scores = list(pool.map(lambda job: one(*job, failures), jobs))
+        scores = list(pool.map(attempt, jobs))
     if failures and len(failures) == len(jobs):
         raise BoltstreamError(f"every evaluation attempt failed; first error: {failures[0]}")
     per_task = [sum(scores[i * samples:(i + 1) * samples]) / samples for i in range(len(tasks))]

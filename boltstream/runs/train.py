@@ -5,6 +5,10 @@ pipeline (runners -> spans -> stream app -> batches -> learner -> checkpoints
 -> worker reload) until the learner has taken ``--steps`` steps or the time
 budget is spent, evaluates again with the same sampling settings, and writes
 ``summary.json``, ``metrics.jsonl`` and ``curve.png`` to ``--out``.
+Progress: a live table on a terminal, one line per event elsewhere
+(:mod:`boltstream.runs.progress`); ``--report-to`` sends the learners' steps, the held-out
+scores and every component's config to experiment trackers under ``--out/tracking``
+(:mod:`boltstream.tracking`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from boltstream.runs.pipeline import (
     read_jsonl,
     worker_version,
 )
+from boltstream.runs.progress import choose_display
 from boltstream.status import ENDPOINTS_FILE
 from boltstream.streams.config import StreamConfig
+from boltstream.tracking import Trackers, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Component settings `boltstream train` offers as its own flags; each keeps the component's name, help
 # and default (the flags come from the component's config), and is passed on only when given.
-LEARNER_SETTINGS = ("lr", "lr_warmup_steps", "kl_coef", "groups_per_step", "lora_targets", "seed")
+LEARNER_SETTINGS = ("lr", "lr_warmup_steps", "kl_coef", "groups_per_step", "lora_targets", "seed", "report_to")
 STREAM_SETTINGS = ("call_credit", "std_normalize", "agent_match", "air_rules_file")
 
 
@@ -63,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--tasks-per-version", type=int, default=None,
       help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
+    a("--no-live", action="store_true",
+      help="one progress line per event instead of the live table (the default when stdout is not a terminal)")
     a("--roles", type=_items, default=None, metavar="NAME[=REGEX],...",
       help="one LoRA adapter and one learner per role, training the calls of the agents REGEX matches (default "
            "^NAME$); the worker serves every role's adapter, the stream app keeps these roles' calls "
@@ -127,10 +135,27 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     test_tasks = load_tasks(cfg.test, cfg.eval_tasks)
     summary = _settings_summary(cfg, roles)
     group_size = summary["stream"]["group_size"]
+    # The learners report their steps themselves (--report-to reaches them as a learner setting, their
+    # trackers write under out/tracking too); this process adds the held-out scores and the run's settings.
+    learner_cfg = cfg.learner_config()
+    trackers = open_trackers(learner_cfg.report_to, out / "tracking", "pipeline", group=learner_cfg.run_name)
+    trackers.log_params({k: summary[k] for k in ("settings", "stream", "learner")})
+    if display is not None:
+        display.plan(cfg.steps, cfg.time_budget_s, started)
+
+    def phase(text: str) -> None:
+        if display is not None:
+            display.phase(text)
+
+    def evaluate_held_out(label: str) -> dict[str, Any]:
+        phase(f"evaluation {label}: {len(test_tasks)} held-out tasks x {cfg.eval_samples}")
+        on_attempt = None if display is None else functools.partial(display.evaluation, label)
+        return evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples, on_attempt=on_attempt)
 
     if not external:  # a new embedded stack: spans spooled for an earlier run's broker mean nothing here
         shutil.rmtree(out / "spool", ignore_errors=True)
-    with _stack(out, external) as (settings, state_file):
+    phase("starting the embedded stack" if not external else "connecting to the broker")
+    with trackers_closed(trackers), _stack(out, external) as (settings, state_file):
         env = component_env(settings, state_file, cfg.extra_env)
         procs = Processes(out / "logs", env)
         try:
@@ -140,17 +165,21 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             # For `boltstream status --run OUT`: the addresses this run's components answer on.
             (out / ENDPOINTS_FILE).write_text(json.dumps({"workers": [f"http://127.0.0.1:{port}"]}) + "\n")
             procs.start("worker", *argv["worker"])
+            phase(f"starting the inference worker ({cfg.model})")
             wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
 
             log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
             eval_started = time.monotonic()
-            summary["before"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
+            summary["before"] = evaluate_held_out("before")
             eval_s = time.monotonic() - eval_started
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
+            phase(f"before: {summary['before']['score']:.3f} ± {summary['before']['se']:.3f} held-out")
+            trackers.log_metrics(_held_out(summary["before"]), 0)
 
             train_started = time.monotonic()
             for name in ("stream", *metrics):
                 procs.start(name, *argv[name])
+            phase(f"training: {cfg.steps} learner steps")
             agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
             if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
                 procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
@@ -171,6 +200,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
                             "evaluation before took %.0f s and as much is kept for the one after); raise "
                             "--time-budget", min(len(_steps(p)) for p in metrics.values()), cfg.steps,
                             cfg.time_budget_s, eval_s)
+            phase("stopping the agents and learners")
             for name in reversed(agents):
                 procs.stop(name)
             # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
@@ -179,15 +209,21 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
                 procs.stop(name, timeout=300)
             summary["train_s"] = round(time.monotonic() - train_started, 1)
             summary.update(_learners_summary(cfg, procs, metrics, roles, port))
-            summary["after"] = evaluate(agent_fn, test_tasks, base_url, cfg.eval_samples)
+            summary["after"] = evaluate_held_out("after")
             log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
         finally:
             procs.stop_all()
-    summary["wall_s"] = round(time.monotonic() - started, 1)
-    # The same tasks are scored before and after: the per-task difference is the paired unit, and its
-    # standard error is far smaller than either score's (task difficulty cancels out).
-    diffs = [a - b for a, b in zip(summary["after"]["per_task"], summary["before"]["per_task"], strict=True)]
-    summary["improvement"], summary["improvement_se"] = mean_and_se(diffs)
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        # The same tasks are scored before and after: the per-task difference is the paired unit, and its
+        # standard error is far smaller than either score's (task difficulty cancels out).
+        diffs = [a - b for a, b in zip(summary["after"]["per_task"], summary["before"]["per_task"], strict=True)]
+        summary["improvement"], summary["improvement_se"] = mean_and_se(diffs)
+        phase(f"after: {summary['after']['score']:.3f} ± {summary['after']['se']:.3f} held-out, improvement "
+              f"{summary['improvement']:+.3f} ± {summary['improvement_se']:.3f}")
+        trackers.log_metrics({**_held_out(summary["after"]), "held_out/improvement": summary["improvement"],
+                              "held_out/improvement_se": summary["improvement_se"],
+                              "train_s": summary["train_s"], "wall_s": summary["wall_s"]},
+                             summary["learner_steps"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot({roles.get(name, "training"): path for name, path in metrics.items()}, summary, out / "curve.png")
     return summary
@@ -251,6 +287,18 @@ def _learners_summary(cfg: PipelineConfig, procs: Processes, metrics: dict[str, 
     else:
         summary["policy_version_served"] = worker_version(port)
     return summary
+
+
+def _held_out(result: dict[str, Any]) -> dict[str, float]:
+    return {"held_out/score": result["score"], "held_out/se": result["se"]}
+
+
+@contextlib.contextmanager
+def trackers_closed(trackers: Trackers) -> Iterator[Trackers]:
+    try:
+        yield trackers
+    finally:
+        trackers.close()
 
 
 def _serves(port: int, adapter: str | None, version: int) -> bool:
@@ -317,7 +365,8 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test)
     stop_on_sigterm()
-    summary = run(cfg, external=args.external)
+    with choose_display("boltstream train", args.no_live) as display:
+        summary = run(cfg, external=args.external, display=display)
     print_summary(summary)
     return 0
 

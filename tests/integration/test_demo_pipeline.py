@@ -6,11 +6,17 @@ TLS stack in test_secure_pipeline.py."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from boltstream.runs.pipeline import read_jsonl
+from tests.tracking_readers import mlflow_runs, tensorboard_scalars, wandb_run_file
 
 
 def test_zero_code_demo_trains_a_standalone_agent(tmp_path: Path, boltstream_cmd: list[str]) -> None:
@@ -35,3 +41,76 @@ def test_zero_code_demo_trains_a_standalone_agent(tmp_path: Path, boltstream_cmd
                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert table.returncode == 0, table.stderr[-3000:]
     assert table.stdout.splitlines()[2].startswith("| 0 | "), table.stdout
+
+
+PROGRESS = re.compile(r"^boltstream demo \[(\d+):(\d\d)\] (.*?)(?: \| budget left \d+:\d\d)?$")
+
+
+def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path, boltstream_cmd: list[str]) -> None:
+    """``boltstream demo > file`` as typed: one flushed line per event (evaluation k of n attempts, step k of
+    n with its reward, policy versions served), never a minute apart, read while the run goes on; and with
+    ``--report-to`` the learner's steps, the held-out scores and each component's config land in
+    TensorBoard, MLflow and W&B (offline) under the run's output."""
+    out = tmp_path / "demo"
+    stdout = tmp_path / "stdout.txt"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    argv = [*boltstream_cmd, "demo", "--model", "tiny", "--steps", "2", "--eval-tasks", "2", "--eval-samples", "2",
+            "--time-budget", "300", "--out", str(out), "--report-to", "tensorboard,mlflow,wandb"]
+    arrived: list[tuple[float, str]] = []
+    started = time.monotonic()
+    with open(stdout, "w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                                text=True)
+        stderr = ""
+        try:
+            seen = 0
+            while True:  # sample the file as it grows: the lines must be flushed as they are said
+                try:
+                    _, stderr = proc.communicate(timeout=2.0)
+                    finished = True
+                except subprocess.TimeoutExpired:
+                    finished = False
+                lines = stdout.read_text().splitlines()
+                arrived += [(time.monotonic(), line) for line in lines[seen:] if PROGRESS.match(line)]
+                seen = len(lines)
+                if finished:
+                    break
+                assert time.monotonic() - started < 480, "the demo did not finish in 480 s"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr[-3000:]
+    said = [PROGRESS.match(line).group(3) for _, line in arrived]  # type: ignore[union-attr]
+    assert "evaluation before: 1 of 4 attempts" in said and "evaluation before: 4 of 4 attempts" in said, said
+    assert "evaluation after: 4 of 4 attempts" in said, said
+    steps = [s for s in said if s.startswith("step ")]
+    assert [s.split(":")[0] for s in steps] == ["step 1 of 2", "step 2 of 2"], said
+    assert "ETA" in steps[0] and re.search(r"reward \d\.\d{3}", steps[0]), steps[0]
+    assert any(re.fullmatch(r"checkpoint v\d+ served", s) for s in said), said
+    times = [started, *(t for t, _ in arrived)]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) <= 60.0, f"a progress gap of {max(gaps):.0f} s: {said}"
+    elapsed = [int(m.group(1)) * 60 + int(m.group(2)) for m in map(PROGRESS.match, (line for _, line in arrived))]
+    assert all(b - a <= 60 for a, b in zip(elapsed, elapsed[1:], strict=False)), elapsed
+
+    summary = json.loads((out / "summary.json").read_text())
+    tracking = out / "tracking"
+    learner_tb = tensorboard_scalars(tracking / "tensorboard" / "policy")
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "step"]
+    assert [s for s, _ in learner_tb["reward_mean"]] == [r["step"] for r in rows] == [1, 2]
+    pipeline_tb = tensorboard_scalars(tracking / "tensorboard" / "pipeline")
+    final = summary["learner_steps"]
+    assert pipeline_tb["held_out/score"] == [(0, pytest.approx(summary["before"]["score"])),
+                                             (final, pytest.approx(summary["after"]["score"]))]
+    runs = mlflow_runs(tracking / "mlruns")
+    assert set(runs) == {"policy", "pipeline"}
+    assert runs["pipeline"].data.params["learner/lr"] == "0.001"
+    assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
+    assert runs["policy"].data.params["groups_per_step"] == "4"
+    wandb_files = sorted((tracking / "wandb").glob("offline-run-*/run-*.wandb"))
+    by_name = {run["name"]: run for run in map(wandb_run_file, wandb_files)}
+    assert set(by_name) == {"policy", "pipeline"}
+    assert by_name["pipeline"]["history"][0]["held_out/score"] == pytest.approx(summary["before"]["score"])
+    assert sorted(by_name["policy"]["history"]) == [1, 2]

@@ -87,7 +87,8 @@ def another_value(knob: Knob, tmp_path: Path) -> Any:
     """A valid value other than the default, per setting."""
     special = {"agent_match": "^solver$", "air_rules_file": tmp_path / "air.yaml",
                "lora_targets": ("q_proj", "v_proj"), "seed": 7, "groups_per_step": 3, "lr": 3e-4,
-               "lr_warmup_steps": 5, "kl_coef": 0.05, "call_credit": "episode", "std_normalize": True}
+               "lr_warmup_steps": 5, "kl_coef": 0.05, "call_credit": "episode", "std_normalize": True,
+               "report_to": ("tensorboard", "mlflow")}
     (tmp_path / "air.yaml").write_text("rules: []\n")
     return special[knob.name]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from boltstream.runs.demo import worker_counter
+from boltstream.runs.progress import worker_counter
 from boltstream.runs.train import stop_on_sigterm
 
 METRICS = b"""# HELP boltstream_inference_spans_total LLM spans written

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from boltstream.config import Settings
 from boltstream.examples.sql import tasks as sql_tasks
@@ -108,11 +111,11 @@ def run_agent(script: str, env: dict[str, str], tmp_path: Path, *args: str) -> s
 
 @contextlib.contextmanager
 def workers(settings: Settings, settings_env: dict[str, str], tmp_path: Path, boltstream_cmd: list[str],
-            *stream_args: str) -> Iterator[tuple[WorkerProcess, dict[str, str]]]:
+            *stream_args: str, timers: dict[str, str] = RUNNERLESS) -> Iterator[tuple[WorkerProcess, dict[str, str]]]:
     """A stream worker and ``boltstream serve --model tiny``; yields the inference worker and the agent's env."""
     app_id = f"{settings.namespace}zc-{uuid.uuid4().hex[:6]}"
     stream = StreamWorker([*boltstream_cmd, "stream", "worker", "--app-id", app_id, *stream_args],
-                          {**settings_env, **WORKER_ENV, **RUNNERLESS}, tmp_path / "stream.log")
+                          {**settings_env, **WORKER_ENV, **timers}, tmp_path / "stream.log")
     worker = WorkerProcess(["--model", "tiny", "--port", "0", "--max-context", "1024"], env=settings_env,
                            log_path=tmp_path / "worker.log")
     try:
@@ -168,6 +171,36 @@ def test_a_runnerless_agent_with_delayed_feedback_becomes_one_trajectory_and_rea
     assert {s["rollout_id"] for s in batch["samples"]} == {"ro-zero-2"} and batch["complete"]
     assert {s["reward"] for s in batch["samples"]} == {1.0}
     assert all(s["advantage"] == 0.0 for s in batch["samples"])  # no peers, no history yet: advantage 0
+
+
+def test_an_env_id_agent_asking_for_another_providers_model_closes_at_exit(
+        settings: Settings, settings_env: dict[str, str], tmp_path: Path, helpers: Any,
+        boltstream_cmd: list[str]) -> None:
+    """The two last frictions of zero code, with the stream app's default timers (session_idle_s 60 s):
+    an agent written for OpenAI asks for ``gpt-4o-mini`` (the worker serves it as an alias of its
+    policy), and its rollout, given by env ids, closes when the process exits (the exporter's
+    ``boltstream.rollout.end``), not a minute later. Its reward comes as feedback right after the exit."""
+    with workers(settings, settings_env, tmp_path, boltstream_cmd, timers={}) as (worker, env):
+        (tmp_path / "agent.py").write_text(PLAIN_AGENT.replace('model="tiny"', 'model="gpt-4o-mini"'))
+        proc = subprocess.run([sys.executable, str(INSTRUMENT), sys.executable, "agent.py"],
+                              env={**env, **IDS, "BOLTSTREAM_ROLLOUT_ID": "ro-zero-3"},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        exited = time.monotonic()
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "turns 2", proc.stderr[-3000:]
+        completion = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("completion ")][-1]
+        r = httpx.post(f"{worker.url}/v1/feedback", json={"completion_id": completion, "reward": 1.0}, timeout=30)
+        assert r.status_code == 202, r.text
+        trajectories = helpers.read_topic(settings, "trajectories", "Trajectory", count=1,
+                                          timeout=max(1.0, 30.0 - (time.monotonic() - exited)))
+        closed_after = time.monotonic() - exited
+    assert closed_after < 30.0
+    (traj,) = [t for _, _, t in trajectories]
+    assert (traj["rollout_id"], traj["task_id"], traj["status"], traj["final_reward"]) == ("ro-zero-3", "q7", "ok", 1.0)
+    served = served_calls(settings, helpers)
+    assert len(served) == 2 and len(traj["turns"]) == 2
+    assert {s["attributes"]["gen_ai.request.model"] for s in served.values()} == {"gpt-4o-mini"}
+    assert_worker_turns(traj, served)
+    assert "serving model name 'gpt-4o-mini' as an alias of tiny" in worker.log_path.read_text()
 
 
 def test_the_sql_langgraph_agent_standalone_trains_the_selected_node(

@@ -66,13 +66,41 @@ def test_malformed_json_and_wrong_shapes(client: TestClient, chat) -> None:
 
 def test_unknown_model_and_route(client: TestClient, chat) -> None:
     body = chat()
-    body["model"] = "gpt-17"
-    _error(client.post("/v1/chat/completions", json=body), 404, "model_not_found", "model")
     del body["model"]
     _error(client.post("/v1/chat/completions", json=body), 400, "missing_required_parameter", "model")
-    _error(client.get("/v1/models/gpt-17"), 404, "model_not_found")
     _error(client.get("/v1/nothing"), 404)
     _error(client.get("/v1/chat/completions"), 405)
+
+
+def test_strict_model_names_refuse_a_name_not_served(backend: TransformersBackend, sink: MemorySpanSink,
+                                                      chat) -> None:
+    app = create_app(backend, sink=sink, served_names=("tiny",), default_max_tokens=12, strict_model_names=True)
+    with TestClient(app, raise_server_exceptions=False) as strict:
+        body = chat()
+        body["model"] = "gpt-17"
+        err = _error(strict.post("/v1/chat/completions", json=body), 404, "model_not_found", "model")
+        assert "serves tiny" in err["message"]
+        _error(strict.get("/v1/models/gpt-17"), 404, "model_not_found")
+        assert strict.post("/v1/chat/completions", json=chat()).status_code == 200
+    assert len(sink.spans) == 1
+
+
+def test_any_model_name_is_served_as_an_alias_logged_once(client: TestClient, sink: MemorySpanSink, chat,
+                                                         caplog) -> None:
+    body = chat()
+    body["model"] = "gpt-4o-mini"
+    with caplog.at_level("INFO", logger="boltstream.inference.service"):
+        for _ in range(2):
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "gpt-4o-mini"
+    said = [r.message for r in caplog.records if "alias" in r.message]
+    assert said == ["serving model name 'gpt-4o-mini' as an alias of tiny (serve --strict-model-names refuses "
+                    "names it does not serve)"]
+    assert [s["attributes"]["gen_ai.request.model"] for s in sink.spans] == ["gpt-4o-mini"] * 2
+    card = client.get("/v1/models/gpt-4o-mini").json()
+    assert (card["id"], card["root"]) == ("gpt-4o-mini", "tiny")
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
 
 
 def test_context_too_long(client: TestClient, chat, max_context: int) -> None:
@@ -95,8 +123,10 @@ def test_server_keeps_serving_after_errors(client: TestClient, chat) -> None:
 
 def test_openai_client_raises_typed_errors(client: TestClient, chat) -> None:
     oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
-    with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError) as missing:  # a worker without adapters asked for one
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                    extra_headers={"X-Boltstream-Adapter": "writer"})
+    assert missing.value.code == "adapter_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=9)
     assert info.value.code == "invalid_value" and info.value.param == "temperature"

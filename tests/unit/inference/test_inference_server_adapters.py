@@ -69,7 +69,9 @@ def test_unknown_adapter_is_a_404_naming_the_served_ones(served: Any, sink: Memo
     err = r.json()["error"]
     assert err["code"] == "adapter_not_found" and err["param"] == "X-Boltstream-Adapter"
     assert "'planner'" in err["message"] and "writer, checker" in err["message"]
-    assert _ask(c, model="planner").json()["error"]["code"] == "model_not_found"
+    assert _ask(c, model="planner").status_code == 200, "an unknown model name is an alias, not an adapter"
+    assert sink.spans[-1]["attributes"]["boltstream.adapter"] == "writer"
+    sink.spans.clear()
     assert c.get("/health", params={"adapter": "planner"}).json()["error"]["code"] == "adapter_not_found"
     assert sink.spans == []
 
@@ -84,6 +86,15 @@ def test_health_and_models_report_every_adapters_version(served: Any) -> None:
     cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
     assert (cards["checker"]["policy_version"], cards["checker"]["adapter"]) == (4, "checker")
     assert cards["tiny"]["policy_version"] == 0 and "adapter" not in cards["tiny"]
+
+
+def test_an_alias_is_routed_by_header_and_baggage(served: Any, sink: MemorySpanSink) -> None:
+    c, _ = served
+    for headers, adapter in (({"X-Boltstream-Adapter": "checker"}, "checker"),
+                             ({"baggage": "boltstream.agent_name=sql_checker"}, "checker"), ({}, "writer")):
+        r = _ask(c, "gpt-4o-mini", headers)
+        assert r.status_code == 200, r.text
+        assert sink.spans[-1]["attributes"]["boltstream.adapter"] == adapter, headers
 
 
 def test_a_worker_without_adapters_refuses_the_header(client: TestClient, chat: Any) -> None:

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from boltstream.config import Settings
-from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter
+from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter, RolloutDefaults
 from boltstream.producers.sender import murmur2
 from boltstream.schemas import Codec
 
@@ -268,3 +268,50 @@ def test_constructible_from_env_only(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         assert exp.config.defaults.rollout_id == "from-env"
     finally:
         exp.shutdown()
+
+
+def test_a_process_given_a_rollout_id_ends_it_at_shutdown(broker: FakeBroker, caplog: pytest.LogCaptureFixture) -> None:
+    """One process = one rollout (env ids): shutdown sends ``boltstream.rollout.end`` with the ids, after the
+    process's own spans on the same key, and says so; twice shut down, one marker."""
+    exp = make_exporter(broker, defaults=RolloutDefaults(rollout_id="ro-env", attempt_id="a:0", task_id="t"))
+    mem = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(mem))
+    with tp.get_tracer("t").start_as_current_span("agent"):
+        pass
+    assert exp.export(mem.get_finished_spans()) is SpanExportResult.SUCCESS
+    with caplog.at_level("INFO", logger="boltstream.producers.exporter"):
+        exp.shutdown()
+        exp.shutdown()
+    codec = Codec()
+    spans = [(p, k, codec.decode(v, expect="Span")) for p, k, v in broker.records]
+    assert [(k, s["name"]) for _, k, s in spans] == [(b"ro-env", "agent"), (b"ro-env", "boltstream.rollout.end")]
+    assert spans[0][0] == spans[1][0], "one key, one partition: the marker comes after the process's spans"
+    end = spans[1][2]
+    assert (end["rollout_id"], end["attempt_id"], end["task_id"]) == ("ro-env", "a:0", "t")
+    assert not end["parent_span_id"] and end["trace_id"] != spans[0][2]["trace_id"]
+    assert "rollout ro-env ended with the process: end marker sent" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["no env id", "nothing exported"])
+def test_no_end_marker_without_an_env_rollout_or_a_span(broker: FakeBroker, case: str) -> None:
+    defaults = RolloutDefaults() if case == "no env id" else RolloutDefaults(rollout_id="ro-env")
+    exp = make_exporter(broker, defaults=defaults)
+    if case == "no env id":
+        exp.export(make_spans(2))
+    exp.shutdown()
+    names = [Codec().decode(v, expect="Span")["name"] for _, _, v in broker.records]
+    assert "boltstream.rollout.end" not in names and len(names) == (2 if case == "no env id" else 0)
+
+
+def test_the_end_marker_never_raises_into_the_host(broker: FakeBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    from boltstream.producers import rollout_end
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no resource")
+
+    monkeypatch.setattr(rollout_end, "end_marker", broken)
+    exp = make_exporter(broker, defaults=RolloutDefaults(rollout_id="ro-env"))
+    exp.export(make_spans(1))
+    exp.shutdown()  # logged, not raised; the process's own span is still delivered
+    assert exp.metrics.acked == 1

@@ -79,6 +79,37 @@ async def test_env_ids_without_a_runner_close_after_session_idle_s_as_ok() -> No
     assert (traj["rollout_id"], traj["task_id"], traj["status"], len(traj["turns"])) == ("ro-env", "q7", "ok", 2)
 
 
+async def test_env_ids_close_grace_s_after_the_processs_end_marker() -> None:
+    """The exporter of a process that was one rollout sends ``boltstream.rollout.end`` at exit: the rollout
+    closes ``grace_s`` later, not after ``session_idle_s``; the marker is one more span of it."""
+    stage = staged({"session_idle_s": 60, "grace_s": 3, "reward_timeout_s": 0})
+    ids = {"rollout_id": "ro-env", "attempt_id": "q7:0", "task_id": "q7"}
+    await feed(stage, [{**s, **ids} for s in trace_spans()], now=1000.0)
+    end = span("end", name="boltstream.rollout.end", parent=None, start=40, end=40, **ids)
+    await feed(stage, [{**end, "trace_id": "f" * 32}], now=1001.0)
+    await stage.tick(1003.9)
+    assert not trajectories(stage)
+    await stage.tick(1004.0)
+    (traj,) = trajectories(stage)
+    assert (traj["rollout_id"], traj["status"], traj["span_count"]) == ("ro-env", "ok", 3)
+    assert [t["span_id"] for t in traj["turns"]] == ["w1"]
+
+
+async def test_an_ended_rollout_without_a_reward_is_still_held_for_one() -> None:
+    stage = staged({"session_idle_s": 60, "grace_s": 0, "reward_timeout_s": 30})
+    ids = {"rollout_id": "ro-env", "attempt_id": "q7:0", "task_id": "q7"}
+    end = span("end", name="boltstream.rollout.end", parent=None, start=40, end=40, **ids)
+    await feed(stage, [{**s, **ids} for s in trace_spans()] + [{**end, "trace_id": "f" * 32}], now=1000.0)
+    await settle()
+    assert not trajectories(stage) and stage.stats["held_for_reward"] == 1
+    late = {**reward_span("fb", 0.5, at=50, final=True, primary=True, parent=None), **ids}
+    late["attributes"] = {**late["attributes"], "boltstream.feedback": True}
+    await feed(stage, [late], now=1005.0)
+    await settle()
+    (traj,) = trajectories(stage)
+    assert traj["final_reward"] == 0.5
+
+
 async def test_without_a_reward_it_is_held_and_a_late_reward_closes_it_at_once() -> None:
     stage = staged({"reward_timeout_s": 30})
     await feed(stage, trace_spans(), now=1000.0)
