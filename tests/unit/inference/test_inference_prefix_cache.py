@@ -193,3 +193,32 @@ async def test_lora_reloads_and_other_adapters_never_read_an_adapters_kv(tmp_pat
     _assert_same(got, await outputs(_backend(budget=0, adapters=("writer", "checker"))))
     assert len({tuple(g.completions[0].token_ids.tolist()) for g in got[:3]}) == 3  # three different policies
     assert cached.prefix_cache.stats()["hits"] == 1  # only the checker's second call
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_serve_reports_the_prefix_cache_on_metrics(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from boltstream.config import load
+    from boltstream.inference.cli import ServeConfig, build_app, parser
+
+    argv = ["--model", "tiny", "--no-capture", "--no-reload", "--prefix-cache-mib", "8"]
+    cfg = load(ServeConfig, explicit=vars(parser().parse_args(argv)), env={}, state_file="/nonexistent")
+    body = {"model": "tiny", "prompt": bytes(SHARED).decode(), "max_tokens": 4, "temperature": 0}
+    with TestClient(build_app(cfg, tmp_path)) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json=body).status_code == 200
+        text = client.get("/metrics").text
+    assert _metric(text, "boltstream_inference_prefix_cache_hits_total") == 1
+    assert _metric(text, "boltstream_inference_prefix_cache_misses_total") == 1
+    computed = _metric(text, "boltstream_inference_prefill_tokens_computed_total")
+    saved = _metric(text, "boltstream_inference_prefill_tokens_saved_total")
+    assert saved > 0 and computed > saved  # the 1st prompt whole, then its last token (+ anything new)
+    assert _metric(text, "boltstream_inference_prefix_cache_budget_bytes") == 8 << 20
+    assert 0 < _metric(text, "boltstream_inference_prefix_cache_bytes") <= 8 << 20
+    assert _metric(text, "boltstream_inference_prefix_cache_tokens") >= saved
+    assert _metric(text, "boltstream_inference_prefix_cache_evictions_total") == 0
