@@ -13,6 +13,11 @@ version. After a reload the running batch stops taking new requests, drains
 on the old weights, and the next batch starts on the new ones
 (:mod:`boltstream.inference.weights`).
 
+With ``prefix_cache_bytes`` > 0 (``serve --prefix-cache-mib``), every new
+request's prefill reuses the stored KV of the longest known prefix of its
+prompt and finished rows store theirs (:mod:`boltstream.inference.prefix_cache`);
+each policy has its own entries, dropped when it is reloaded.
+
 Several named adapters (``adapters=``, :mod:`boltstream.inference.adapters`)
 share the one base model; each has its own policy. A batch runs ONE adapter's
 policy, so no row is ever decoded with another request's adapter: it starts
