@@ -52,6 +52,8 @@ class ServeConfig:
     max_batch_size: int = opt(16, "most sequences decoded together")
     batch_window_ms: float = opt(2.0, "how long to collect concurrent requests into a batch")
     max_context: int | None = opt(None, "context limit in tokens (default: the model's)")
+    prefix_cache_mib: int = opt(256, "transformers backend: MiB of prompt KV kept for reuse by later requests "
+                                     "(0: off; the vLLM backend uses vLLM's own prefix caching)")
     default_max_tokens: int = opt(256, "max_tokens when a request gives none")
     policy_version: int = opt(0, "version number of the weights loaded at start")
     capture: bool = opt(True, "write LLM spans (--no-capture: no broker needed, NOT for training)")
@@ -86,6 +88,8 @@ class ServeConfig:
             raise ConfigError("port", self.port, "must be 0-65535 (0: any free port)")
         if self.max_batch_size < 1:
             raise ConfigError("max_batch_size", self.max_batch_size, "must be >= 1")
+        if self.prefix_cache_mib < 0:
+            raise ConfigError("prefix_cache_mib", self.prefix_cache_mib, "must be >= 0 (0: no prefix cache)")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens", self.default_max_tokens, "must be >= 1")
         if self.api_key_file is not None:
@@ -147,7 +151,8 @@ def build_backend(cfg: ServeConfig) -> Any:
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
                                max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
-                               max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs))
+                               max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs),
+                               prefix_cache_bytes=cfg.prefix_cache_mib << 20)
 
 
 def build_app(cfg: ServeConfig, workdir: Path) -> Any:
@@ -161,6 +166,8 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     adapters = cfg.adapter_specs
     metrics = Metrics(cfg.name)
     status = ReloadStatus()
+    if getattr(backend, "prefix_cache", None) is not None:
+        metrics.watch_prefix_cache(backend.prefix_cache.stats)
     if cfg.capture:
         from boltstream.producers.spool import spool_directory
 

@@ -19,6 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from boltstream.inference import kv_cache
 from boltstream.inference.backend import SamplingParams
 
 
@@ -85,28 +86,24 @@ def prefill(model: Any, rows: list[Row], pad_id: int, device: Any) -> DecodeStat
 
 def can_join(state: DecodeState) -> bool:
     """Joining needs plain growing caches (sliding-window or static layers are left alone)."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(state.cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return kv_cache.is_growing(state.cache)
 
 
 def join(a: DecodeState, b: DecodeState) -> DecodeState:
     """One state holding the rows of ``a`` then ``b``; the shorter side is left-padded (masked out)."""
     import torch
     import torch.nn.functional as F
-    from transformers import DynamicCache
 
     length = max(a.mask.shape[1], b.mask.shape[1])
     pad_a, pad_b = length - a.mask.shape[1], length - b.mask.shape[1]
     data = []
-    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
-        keys = torch.cat([F.pad(la.keys, (0, 0, pad_a, 0)), F.pad(lb.keys, (0, 0, pad_b, 0))])
-        values = torch.cat([F.pad(la.values, (0, 0, pad_a, 0)), F.pad(lb.values, (0, 0, pad_b, 0))])
+    for (ka, va), (kb, vb) in zip(kv_cache.layers_of(a.cache), kv_cache.layers_of(b.cache), strict=True):
+        keys = torch.cat([F.pad(ka, (0, 0, pad_a, 0)), F.pad(kb, (0, 0, pad_b, 0))])
+        values = torch.cat([F.pad(va, (0, 0, pad_a, 0)), F.pad(vb, (0, 0, pad_b, 0))])
         data.append((keys, values))
     return DecodeState(
         a.rows + b.rows,
-        DynamicCache(data),
+        kv_cache.make_cache(data),
         torch.cat([F.pad(a.mask, (pad_a, 0)), F.pad(b.mask, (pad_b, 0))]),
         torch.cat([a.positions, b.positions]),
         torch.cat([a.logits, b.logits]),
@@ -121,7 +118,7 @@ def select(state: DecodeState, keep: list[int]) -> DecodeState:
     if len(keep) == len(state.rows):
         return state
     sel = torch.tensor(keep, device=state.mask.device)
-    state.cache.batch_select_indices(sel)
+    kv_cache.select_rows(state.cache, sel)
     return DecodeState([state.rows[j] for j in keep], state.cache, state.mask[sel], state.positions[sel],
                        state.logits[sel], state.temps[sel])
 

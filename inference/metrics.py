@@ -25,7 +25,7 @@ RELOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60)
 
 
 class Metrics:
-    """Requests, tokens in/out, latency, spans written, the loaded policy version and reloads."""
+    """Requests, tokens in/out, latency, spans written, the loaded policy version, reloads, prefix cache."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -61,12 +61,41 @@ class Metrics:
         """Report the capture spool's counters (read at each scrape: the sink owns them)."""
         self.registry.register(_SpoolCollector(stats))
 
+    def watch_prefix_cache(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Report the prefix cache's counters and size (read at each scrape: the engine owns them)."""
+        self.registry.register(_PrefixCacheCollector(stats))
+
     def set_version(self, version: int, adapter: str | None = None) -> None:
         """The served version, labelled with the adapter's name on a worker serving several."""
         self.policy_version.labels(adapter or self.model_name).set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.stats()
+        yield CounterMetricFamily("boltstream_inference_prefix_cache_hits",
+                                  "prompts prefilled after a stored prefix of their KV", value=s["hits"])
+        yield CounterMetricFamily("boltstream_inference_prefix_cache_misses",
+                                  "prompts that found no stored prefix of their KV", value=s["misses"])
+        yield CounterMetricFamily("boltstream_inference_prefill_tokens_computed",
+                                  "prompt tokens run through the model in prefills", value=s["tokens_computed"])
+        yield CounterMetricFamily("boltstream_inference_prefill_tokens_saved",
+                                  "prompt tokens whose KV was reused instead of computed (prefix cache, or "
+                                  "another choice of the same request)", value=s["tokens_saved"])
+        yield CounterMetricFamily("boltstream_inference_prefix_cache_evictions",
+                                  "prefix cache entries evicted to stay within its budget", value=s["evictions"])
+        yield GaugeMetricFamily("boltstream_inference_prefix_cache_bytes", "bytes of KV in the prefix cache",
+                                value=s["bytes"])
+        yield GaugeMetricFamily("boltstream_inference_prefix_cache_tokens", "tokens whose KV the prefix cache holds",
+                                value=s["tokens"])
+        yield GaugeMetricFamily("boltstream_inference_prefix_cache_budget_bytes",
+                                "the prefix cache's budget (0: off)", value=s["budget_bytes"])
 
 
 class _SpoolCollector(Collector):

@@ -13,6 +13,11 @@ version. After a reload the running batch stops taking new requests, drains
 on the old weights, and the next batch starts on the new ones
 (:mod:`boltstream.inference.weights`).
 
+With ``prefix_cache_bytes`` > 0 (``serve --prefix-cache-mib``), every new
+request's prefill reuses the stored KV of the longest known prefix of its
+prompt and finished rows store theirs (:mod:`boltstream.inference.prefix_cache`);
+each policy has its own entries, dropped when it is reloaded.
+
 Several named adapters (``adapters=``, :mod:`boltstream.inference.adapters`)
 share the one base model; each has its own policy. A batch runs ONE adapter's
 policy, so no row is ever decoded with another request's adapter: it starts
@@ -35,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from boltstream.inference import decoding
+from boltstream.inference import decoding, kv_cache, prefix_cache
 from boltstream.inference.backend import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -77,6 +82,7 @@ class TransformersBackend(WeightSwapping):
         batch_window_ms: float = 2.0,
         max_context: int | None = None,
         adapters: tuple[str, ...] = (),
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model_name = model_name
         self.adapters = tuple(adapters)
@@ -105,6 +111,9 @@ class TransformersBackend(WeightSwapping):
         self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="boltstream-generate")
         self._loop: asyncio.AbstractEventLoop | None = None
+        # KV of prompt prefixes, per policy key (inference/prefix_cache.py); 0 bytes: off
+        self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
+        self._kv_reusable = kv_cache.reusable(model.config)  # not sliding-window or static caches
 
     @property
     def policy_version(self) -> int:
@@ -238,13 +247,31 @@ class TransformersBackend(WeightSwapping):
         with torch.inference_mode(), ctx:
             self._decode(policy, batch, key)
 
+    def _prefill(self, policy: Policy, rows: list[decoding.Row], key: str | None) -> decoding.DecodeState:
+        """The rows' prefill, through the prefix cache when it is on and the model's caches allow it."""
+        cache = self.prefix_cache
+        if cache.enabled and self._kv_reusable:
+            return prefix_cache.prefill(policy.model, rows, self.device, cache, key,
+                                        lambda: self._policies[key] is policy)
+        state = decoding.prefill(policy.model, rows, self.pad_id, self.device)
+        cache.count(sum(len(r.request.prompt_ids) for r in rows), 0)
+        return state
+
+    def _store_row(self, policy: Policy, state: decoding.DecodeState, j: int, key: str | None) -> None:
+        """Keep a finished row's prompt + generated tokens in the prefix cache (the last sampled token
+        was never fed, so it has no KV): an agent's next call starts with them."""
+        row = state.rows[j]
+        if self.prefix_cache.enabled and self._kv_reusable and row.finish != FINISH_ABORT and len(row.ids) > 1:
+            self.prefix_cache.insert_row(key, row.request.prompt_ids + row.ids[:-1], kv_cache.layers_of(state.cache),
+                                         j, lambda: self._policies[key] is policy)
+
     def _decode(self, policy: Policy, batch: list[_Request], key: str | None) -> None:
-        model, device = policy.model, self.device
+        model = policy.model
         rows = decoding.make_rows(batch)
         rows_of: dict[int, list[decoding.Row]] = {}
         for r in rows:
             rows_of.setdefault(id(r.request), []).append(r)
-        state = decoding.prefill(model, rows, self.pad_id, device)
+        state = self._prefill(policy, rows, key)
         joinable = decoding.can_join(state)
         while True:
             if joinable and self._policies[key] is policy and self._pending and not self._closing:
@@ -255,7 +282,7 @@ class TransformersBackend(WeightSwapping):
                     new_rows = decoding.make_rows(joiners)
                     for r in new_rows:
                         rows_of.setdefault(id(r.request), []).append(r)
-                    state = decoding.join(state, decoding.prefill(model, new_rows, self.pad_id, device))
+                    state = decoding.join(state, self._prefill(policy, new_rows, key))
             tokens, logprobs = decoding.sample(state)
             keep: list[int] = []
             for j, (row, tok, lp) in enumerate(zip(state.rows, tokens, logprobs, strict=True)):
@@ -269,6 +296,7 @@ class TransformersBackend(WeightSwapping):
                 else:
                     row.finish = row.finish or FINISH_ABORT
                     self._row_done(row, rows_of, policy.version)
+                    self._store_row(policy, state, j, key)
             if not keep:
                 return
             state = decoding.select(state, keep)

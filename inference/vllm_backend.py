@@ -18,6 +18,10 @@ Written against vLLM's V1 API (``vllm.v1.engine.async_llm.AsyncLLM``,
 * Full reload: new requests wait at a gate, in-flight ones drain, every
   worker loads the safetensors through :class:`CheckpointLoader` (below),
   the prefix cache is reset (its KV entries belong to the old weights), and the gate opens.
+* Prefix caching is on (``enable_prefix_caching=True``). vLLM puts a request's
+  LoRA adapter (its ``lora_name``, ``lora_int_id`` in older versions) into its KV
+  block hashes, and every LoRA version here has its own (``v<N>``, ``N``), so KV of
+  one adapter version never serves another.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class VllmBackend:
             dtype=cfg.dtype or "auto", gpu_memory_utilization=cfg.gpu_memory_utilization,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
             max_num_seqs=max(cfg.max_batch_size, 8) * 16,
+            # vLLM V1's default too, written out: agents' calls repeat their preamble and earlier turns.
+            enable_prefix_caching=True,
         )
         if cfg.max_context:
             kwargs["max_model_len"] = cfg.max_context

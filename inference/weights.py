@@ -13,6 +13,9 @@ per batch, so:
   a first adapter or a new shape changes modules, which happens in the
   generation thread, between batches.
 
+Every swap drops the policy's prefix cache (:mod:`boltstream.inference.prefix_cache`):
+KV computed by the old weights never serves the new ones.
+
 LoRA adapters apply to the weights the worker started with. With several named
 adapters (:mod:`boltstream.inference.adapters`) each has its own two slots
 (``<name>-a``, ``<name>-b``) in the one PEFT model over the shared base, and its
@@ -63,6 +66,7 @@ class WeightSwapping:
     _executor: Any
     _vocab: int
     _slot_shapes: dict[str, dict[str, Any]]
+    prefix_cache: Any
     device: Any
 
     def _key(self, adapter: str | None) -> str | None:
@@ -97,6 +101,9 @@ class WeightSwapping:
             self._policies[key] = Policy(self._peft, version, slot)
         else:
             raise CheckpointError(f"unknown checkpoint kind {kind!r}")
+        # KV belongs to the weights that computed it. After the swap above, so a batch still draining on
+        # the old policy can no longer store any (prefix_cache.py checks the policy under the same lock).
+        self.prefix_cache.drop(key)
         log.info("now serving policy version %d (%s)%s", version, kind, f" of adapter {key}" if key else "")
 
     def _load_full(self, path: Path) -> Any:

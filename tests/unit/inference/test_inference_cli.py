@@ -57,3 +57,11 @@ def test_adapters_from_flags_or_env() -> None:
 def test_bad_adapter_configs_are_refused(argv: list[str], env: dict[str, str], names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         _cfg(argv, env)
+
+
+def test_prefix_cache_budget_flag_env_default_and_refusal() -> None:
+    assert _cfg([]).prefix_cache_mib == 256
+    assert _cfg(["--prefix-cache-mib", "0"]).prefix_cache_mib == 0
+    assert _cfg([], env={"BOLTSTREAM_SERVE_PREFIX_CACHE_MIB": "64"}).prefix_cache_mib == 64
+    with pytest.raises(ConfigError, match="prefix_cache_mib"):
+        _cfg(["--prefix-cache-mib", "-1"])

@@ -1,0 +1,88 @@
+"""Every use of transformers' KV cache internals, in one place.
+
+The decoding loop (:mod:`.decoding`) and the prefix cache (:mod:`.prefix_cache`)
+read and build per-layer key/value tensors themselves: left-padding caches to
+join batches, storing a prompt's KV, resuming a prefill from stored KV. That
+needs more than the public ``generate`` API. Written against transformers 5.x,
+relying on:
+
+* ``past_key_values`` of a causal LM's forward is a ``DynamicCache`` whose
+  ``layers`` are ``DynamicLayer`` objects with ``keys`` and ``values`` tensors
+  of shape ``[batch, kv_heads, seq, head_dim]``;
+* ``DynamicCache(ddp_cache_data)`` builds a cache from ``(keys, values)`` per layer, and
+  ``DynamicCache(config=...)`` the empty cache of a model, with its layer types;
+* ``Cache.batch_select_indices(indices)`` narrows every layer to some rows.
+
+:func:`check_api` checks all three on a real forward pass; a unit test calls it,
+so another transformers version that changes them fails there, naming this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KV = list[tuple[Any, Any]]  # (keys, values) per layer, each [batch, kv_heads, seq, head_dim]
+
+
+def layers_of(cache: Any) -> KV:
+    """The ``(keys, values)`` tensors of every layer of a ``DynamicCache``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def make_cache(layers: KV) -> Any:
+    """A ``DynamicCache`` holding ``layers`` (the model appends to it in the next forward)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(layers)
+
+
+def is_growing(cache: Any) -> bool:
+    """Whether every layer is a plain growing one (sliding-window or static layers cannot be re-padded)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def reusable(config: Any) -> bool:
+    """Whether the model's caches are plain growing ones (only those can be stored, resumed and re-padded)."""
+    from transformers import DynamicCache
+
+    return is_growing(DynamicCache(config=config))
+
+
+def select_rows(cache: Any, indices: Any) -> None:
+    """Keep only the batch rows at ``indices`` (in place)."""
+    cache.batch_select_indices(indices)
+
+
+def check_api(model: Any) -> None:
+    """Raise RuntimeError, naming the installed transformers, unless the internals above behave as relied on."""
+    import torch
+    import transformers
+
+    def fail(what: str) -> RuntimeError:
+        return RuntimeError(f"transformers {transformers.__version__}: {what}; "
+                            "boltstream.inference.kv_cache was written against transformers 5.x")
+
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        if not is_growing(cache) or not reusable(model.config):
+            raise fail(f"past_key_values is {type(cache).__name__} without DynamicLayer layers")
+        layers = layers_of(cache)
+        n_layers = model.config.num_hidden_layers
+        if len(layers) != n_layers or any(k.shape[:1] + k.shape[2:3] != (2, 4) or k.shape != v.shape
+                                          for k, v in layers):
+            raise fail("cache layers' keys/values are not [batch, kv_heads, seq, head_dim] per layer")
+        rebuilt = make_cache([(k[:, :, :3], v[:, :, :3]) for k, v in layers])
+        if rebuilt.get_seq_length() != 3:
+            raise fail("DynamicCache(ddp_cache_data) did not rebuild a cache from (keys, values) per layer")
+        resumed = model(input_ids=ids[:, 3:], position_ids=torch.tensor([[3], [3]]), past_key_values=rebuilt,
+                        use_cache=True)
+        if not torch.allclose(resumed.logits[:, -1], out.logits[:, -1], atol=1e-4):
+            raise fail("a forward resumed from a rebuilt cache differs from the full forward")
+        select_rows(resumed.past_key_values, torch.tensor([1]))
+        if [k.shape[0] for k, _ in layers_of(resumed.past_key_values)] != [1] * n_layers:
+            raise fail("Cache.batch_select_indices did not narrow every layer")
