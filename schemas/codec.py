@@ -29,6 +29,7 @@ surfaces as ``SchemaError`` naming the topic and the reason.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from io import BytesIO
@@ -202,6 +203,8 @@ class Codec:
         Built and verified once per schema (~4 ms) and shared: it depends on nothing else."""
         from .span_decoder import FastSpanDecoder
 
+        if os.environ.get("BOLTSTREAM_SPAN_DECODER", "fast") == "fastavro":  # A/B switch (bench_stream)
+            return
         fingerprint = self.catalog.latest("Span").fingerprint
         if fingerprint not in _FAST_SPAN:
             _FAST_SPAN[fingerprint] = FastSpanDecoder.create(self)
