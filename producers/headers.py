@@ -33,8 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from boltstream.schemas.records import ID_ATTRIBUTES as ID_KEYS
-from boltstream.schemas.records import SESSION_ATTRIBUTES
+from boltstream.schemas.records import ID_ATTRIBUTES, SESSION_ATTRIBUTES
 
 if TYPE_CHECKING:
     from .context import RolloutContext
@@ -97,13 +96,13 @@ def ids_from_headers(headers: Any) -> dict[str, str]:
     """The inverse, for the worker: ``{"boltstream.rollout_id": ..., ...}`` from a header mapping."""
     get = headers.get
     out: dict[str, str] = {}
-    for key, name in zip(ID_KEYS, (HEADER_ROLLOUT_ID, HEADER_ATTEMPT_ID, HEADER_TASK_ID), strict=True):
+    for key, name in zip(ID_ATTRIBUTES, (HEADER_ROLLOUT_ID, HEADER_ATTEMPT_ID, HEADER_TASK_ID), strict=True):
         v = get(name) or get(name.lower())
         if v:
             out[key] = v
     if len(out) < 2:  # fall back to W3C baggage
         bag = _BAGGAGE.extract({k.lower(): v for k, v in dict(headers).items()})
-        for key in ID_KEYS:
+        for key in ID_ATTRIBUTES:
             v = baggage.get_baggage(key, bag)
             if v and key not in out:
                 out[key] = str(v)
@@ -150,7 +149,7 @@ def parse_rollout_path(path: str) -> tuple[dict[str, str], str] | None:
         values = [decode_segment(m.group(g)) for g in ("r", "a", "t")]
     except (ValueError, UnicodeDecodeError):
         return None
-    ids = {k: v for k, v in zip(ID_KEYS, values, strict=True) if v}
-    if ID_KEYS[0] not in ids:
+    ids = {k: v for k, v in zip(ID_ATTRIBUTES, values, strict=True) if v}
+    if ID_ATTRIBUTES[0] not in ids:
         return None
     return ids, (m.group("prefix") or "") + (m.group("rest") or "")

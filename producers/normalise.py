@@ -32,13 +32,9 @@ from .genai import TOKEN_KEYS, derived_attributes
 _KIND_NAMES = {k: k.name for k in SpanKind}
 _STATUS_NAMES = {c: c.name for c in StatusCode}
 
-ID_KEYS: dict[str, tuple[str, ...]] = {
-    field: (ours, theirs)
-    for field, ours, theirs in zip(("rollout_id", "attempt_id", "task_id"), records.ID_ATTRIBUTES,
-                                   records.AGENTLIGHTNING_ID_ATTRIBUTES, strict=True)
-}
-_ID_LOOKUP = tuple((keys, fld) for fld, keys in ID_KEYS.items())
-_ID_ATTRS = tuple(f"boltstream.{fld}" for fld in ID_KEYS)
+# (attribute names to look for, promoted field), per id: ours, then Agent Lightning's.
+_ID_LOOKUP = tuple(((ours, theirs), fld) for fld, ours, theirs in zip(
+    records.ID_FIELDS, records.ID_ATTRIBUTES, records.AGENTLIGHTNING_ID_ATTRIBUTES, strict=True))
 TRUNCATED = records.TRUNCATED
 
 
@@ -143,7 +139,7 @@ def promoted_ids(
     attrs: Mapping[str, Any], resource: Mapping[str, Any], defaults: Mapping[str, str | None] | None = None
 ) -> dict[str, str | None]:
     """rollout_id / attempt_id / task_id from attributes, then resource, then defaults."""
-    return dict(zip(ID_KEYS, _ids(attrs, resource, defaults), strict=True))
+    return dict(zip(records.ID_FIELDS, _ids(attrs, resource, defaults), strict=True))
 
 
 def _build(
@@ -161,7 +157,7 @@ def _build(
     if added:  # derived values are str / float / bool already: nothing to convert
         attrs.update(added)
     ids = _ids(raw, resource_raw, defaults)
-    for attr, val in zip(_ID_ATTRS, ids, strict=True):  # the promoted ids as attributes too (uniform queries)
+    for attr, val in zip(records.ID_ATTRIBUTES, ids, strict=True):  # the promoted ids as attributes too (uniform queries)
         if val is not None and attr not in attrs:
             attrs[attr] = val
     return {
