@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
@@ -34,9 +34,6 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from boltstream.schemas.records import ID_ATTRIBUTES, SESSION_ATTRIBUTES
-
-if TYPE_CHECKING:
-    from .context import RolloutContext
 
 HEADER_ROLLOUT_ID = "X-Boltstream-Rollout-Id"
 HEADER_ATTEMPT_ID = "X-Boltstream-Attempt-Id"
@@ -50,7 +47,21 @@ _TRACE = TraceContextTextMapPropagator()
 _BAGGAGE = W3CBaggagePropagator()
 
 
-def headers_for(ctx: RolloutContext) -> dict[str, str]:
+class RolloutIds(Protocol):
+    """What the wire format needs of a rollout (:class:`~boltstream.producers.context.RolloutContext`
+    has it): this module sits below the rollout API, which builds its headers from it."""
+
+    rollout_id: str
+    attempt_id: str
+    task_id: str | None
+    capture: bool
+    span: Any
+
+    @property
+    def ids(self) -> dict[str, str]: ...
+
+
+def headers_for(ctx: RolloutIds) -> dict[str, str]:
     """The headers that carry ``ctx``'s ids to the inference worker."""
     if not ctx.capture:
         return {HEADER_CAPTURE: "off"}
@@ -126,7 +137,7 @@ def decode_segment(segment: str) -> str | None:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
 
 
-def base_url_for(base_url: str, ctx: RolloutContext) -> str:
+def base_url_for(base_url: str, ctx: RolloutIds) -> str:
     """``{root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1`` for ``ctx``."""
     root = base_url.rstrip("/")
     if root.endswith("/v1"):

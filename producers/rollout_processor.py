@@ -16,7 +16,9 @@ exporter the app uses) sees them. Lookup order per span:
 ``install_rollout_processor`` is idempotent and is called by ``rollout()``
 and by the exporter, so ``opentelemetry-instrument`` setups get it without code.
 The registry lives here, below :mod:`.context`, so the rollout API can install the
-processor and the processor can read the registry without either importing the other.
+processor and register its rollouts, and the processor can read the registry, without this
+module importing the rollout API: a registered rollout is anything with the ids
+(:class:`~boltstream.producers.headers.RolloutIds`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context
@@ -32,31 +34,48 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from boltstream.schemas import records
 
-from .headers import session_of
-
-if TYPE_CHECKING:
-    from .context import RolloutContext
+from .headers import RolloutIds, session_of
 
 log = logging.getLogger(__name__)
 _MARK = "_boltstream_rollout_processor"
 _INSTALL_LOCK = threading.Lock()
 
-_CURRENT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("boltstream_rollout",
-                                                                                 default=None)
-_ACTIVE: dict[int, RolloutContext] = {}  # trace_id -> rollout, for spans whose context was lost
+_CURRENT: contextvars.ContextVar[RolloutIds | None] = contextvars.ContextVar("boltstream_rollout", default=None)
+_ACTIVE: dict[int, RolloutIds] = {}  # trace_id -> rollout, for spans whose context was lost
 _ACTIVE_LOCK = threading.Lock()
 
 
-def active_rollouts() -> list[RolloutContext]:
+def enter_rollout(ctx: RolloutIds, trace_id: int) -> contextvars.Token[RolloutIds | None]:
+    """Register a rollout that starts running here with root trace ``trace_id``; returns what
+    :func:`exit_rollout` needs."""
+    token = _CURRENT.set(ctx)
+    with _ACTIVE_LOCK:
+        _ACTIVE[trace_id] = ctx
+    return token
+
+
+def exit_rollout(trace_id: int, token: contextvars.Token[RolloutIds | None]) -> None:
+    """The rollout :func:`enter_rollout` registered has ended."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.pop(trace_id, None)
+    _CURRENT.reset(token)
+
+
+def own_rollout() -> RolloutIds | None:
+    """The rollout this context runs in, and only that (no process-wide guess): None outside one."""
+    return _CURRENT.get()
+
+
+def active_rollouts() -> list[RolloutIds]:
     with _ACTIVE_LOCK:
         return list(_ACTIVE.values())
 
 
-def rollout_for_trace(trace_id: int) -> RolloutContext | None:
+def rollout_for_trace(trace_id: int) -> RolloutIds | None:
     return _ACTIVE.get(trace_id)
 
 
-def current_rollout() -> RolloutContext | None:
+def current_rollout() -> RolloutIds | None:
     """The rollout this code runs in: the context variable, else the only rollout active in the process."""
     ctx = _CURRENT.get()
     if ctx is not None:

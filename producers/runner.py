@@ -38,7 +38,7 @@ from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass
 from boltstream.errors import ConfigError
 
 from .agent import AgentInvoker, load_agent
-from .consuming import Entry, CommitTracker
+from .consuming import CommitTracker, Entry
 from .context import RolloutTimeout, rollout
 
 log = logging.getLogger(__name__)
