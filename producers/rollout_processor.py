@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from boltstream.schemas import records
 
 from .headers import RolloutIds, session_of
+from .otel_internals import set_start_attributes, start_attributes
 
 log = logging.getLogger(__name__)
 _MARK = "_boltstream_rollout_processor"
@@ -89,9 +90,8 @@ class RolloutSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Any, parent_context: Context | None = None) -> None:
         try:
-            bounded = getattr(span, "_attributes", None)
-            inner = getattr(bounded, "_dict", None)  # the SDK's storage, skipping its locked proxy
-            if records.ROLLOUT_ID in (inner if inner is not None else (span.attributes or ())):
+            attrs = start_attributes(span)
+            if records.ROLLOUT_ID in attrs:
                 return  # set explicitly by whoever started the span: theirs wins
             ids: dict[str, str] | None = None
             if parent_context is None:  # the current context: our context variable says it all, cheaply
@@ -108,32 +108,19 @@ class RolloutSpanProcessor(SpanProcessor):
                         owner = active[0] if len(active) == 1 else None
                     ids = owner.ids if owner is not None else None
             if not ids:
-                ids = self._session(span, inner, parent_context)
+                ids = self._session(attrs, parent_context)
             if ids:
-                self._stamp(span, bounded, inner, ids)
+                set_start_attributes(span, ids)
         except Exception:  # a processor must never break the app's span
             log.debug("RolloutSpanProcessor.on_start failed", exc_info=True)
 
     @staticmethod
-    def _session(span: Any, inner: Any, parent_context: Context | None) -> dict[str, str] | None:
+    def _session(attrs: Any, parent_context: Context | None) -> dict[str, str] | None:
         """No rollout: the session the span runs in (records.rollout_key keys it by that)."""
-        attrs = inner if inner is not None else (span.attributes or {})
         if any(name in attrs for name in records.SESSION_ATTRIBUTES):
             return None
         session = session_of(parent_context)
         return dict([session]) if session else None
-
-    @staticmethod
-    def _stamp(span: Any, bounded: Any, inner: Any, ids: dict[str, str]) -> None:
-        """Write the ids. Straight into the SDK's attribute dict when there is room (they are plain
-        strings, and the span is not yet visible to other threads): ~3x cheaper than set_attributes,
-        which re-validates every value under two locks. The public API otherwise."""
-        max_len = getattr(bounded, "maxlen", None)
-        if isinstance(inner, dict) and not getattr(bounded, "_immutable", True) and (
-                max_len is None or len(inner) + len(ids) <= max_len):
-            inner.update(ids)
-        else:
-            span.set_attributes(ids)
 
     def on_end(self, span: Any) -> None:
         return None

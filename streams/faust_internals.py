@@ -1,4 +1,29 @@
-"""A faust Kafka transport tuned for the embedded broker and for per-span throughput.
+"""Every faust internal the stream app relies on: a Kafka transport tuned for the embedded broker
+and for per-span throughput, in the one module that may touch faust's private API.
+
+The contract (faust-streaming and aiokafka at the versions in :data:`CHECKED_WITH`; the test
+``tests/unit/streams/test_faust_internals.py`` fails, naming them, on any other version: re-check
+each point below against the new source, then add the version):
+
+* ``faust.App._new_transport()`` builds the consumer transport (overridden to pick ours);
+  ``faust.transport.drivers.aiokafka.Transport.Consumer`` is the consumer class it uses.
+* ``Consumer._new_consumer_thread()`` builds the thread that owns the aiokafka consumer;
+  ``AIOKafkaConsumerThread._create_worker_consumer()`` builds that consumer, and aiokafka's
+  ``AIOKafkaConsumer`` reads ``_fetch_max_wait_ms`` in ``start()``.
+* ``AIOKafkaConsumerThread._fetch_records(consumer, active_partitions, timeout, max_records)``
+  runs each fetch in that thread; ``Consumer._getmany(active_partitions, timeout)`` asks for one.
+* ``Consumer._drain_messages(fetcher)`` is the loop that hands records to faust's callback; ours
+  replaces it and uses, as faust's own does: ``_stopped``, ``flow_active``, ``can_resume_flow``,
+  ``_get_active_partitions()``, ``_buffered_partitions``, ``_read_offset``, ``_add_gap()``,
+  ``_to_message()``, ``_unacked_messages``, ``ack()``, ``callback``, ``suspend_flow``,
+  ``wait_first()``, ``seek_wait()``, ``diag`` with ``CONSUMER_FETCHING``,
+  ``consumer_stopped_errors``, ``app.consumer_generation_id``, ``app.topics.acks_enabled_for``
+  and the monitor's ``track_tp_end_offset`` / ``stream_inbound_time``.
+* Tables (streams/tables.py, public API, but around faust's own writes): ``Table.data`` is the
+  local store, a write to it sends nothing; ``app.producer.send(topic, key, value, partition,
+  timestamp, headers)`` sends the changelog record; a table with ``key_type=bytes,
+  value_type=bytes`` recovers exactly those bytes into ``Table.data``; faust flushes the
+  producer before it commits offsets.
 
 Two measured problems with faust-streaming 0.15.3's stock aiokafka transport:
 
@@ -82,6 +107,12 @@ from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 log = logging.getLogger(__name__)
+
+# distribution -> versions the contract above was checked against (read by the test).
+CHECKED_WITH: dict[str, tuple[str, ...]] = {
+    "faust-streaming": ("0.15.3",),
+    "aiokafka": ("0.14.0",),
+}
 
 FETCH_MAX_WAIT_MS = 20
 FETCH_TIMEOUT_S = 1.0  # how long one getmany waits for records (faust's value)
