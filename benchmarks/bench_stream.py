@@ -136,11 +136,9 @@ def pure_core(records: list[tuple[bytes, bytes]], codec: Codec) -> float:
     return len(records) / (time.perf_counter() - started)
 
 
-def start_worker(settings: Settings, app_id: str, log: Path, *args: str, level: str = "warning",
-                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_worker(settings: Settings, app_id: str, log: Path, *args: str, level: str = "warning") -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOLTSTREAM_")}
     env.update(settings_env(settings))
-    env.update(extra_env or {})
     env["BOLTSTREAM_STATE_FILE"] = str(log.parent / "no-stack.json")
     env["BOLTSTREAM_STREAM_TICK_S"] = "0.1"
     env["BOLTSTREAM_COMPRESSION"] = settings.compression
@@ -254,8 +252,7 @@ async def first_hand_over(log: Path, topic: str) -> float:
         await asyncio.sleep(0.005)
 
 
-async def drain(settings: Settings, tmp: Path, tasks: int, shape: Shape | None,
-                extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+async def drain(settings: Settings, tmp: Path, tasks: int, shape: Shape | None) -> dict[str, Any]:
     """The worker's own rate, not bounded by a producer on the same cores: the spans are in the log
     before the worker starts (a backlog, as after an outage), and the clock runs from the worker's
     first hand-over of spans (its log says when) to the last rollout's samples readable."""
@@ -270,7 +267,7 @@ async def drain(settings: Settings, tmp: Path, tasks: int, shape: Shape | None,
     watch = SampleWatch(settings)
     await watch.start()
     log = tmp / f"{app_id}.log"
-    proc = start_worker(settings, app_id, log, "--group-size", str(GROUP), *NO_GRACE, level="info", extra_env=extra_env)
+    proc = start_worker(settings, app_id, log, "--group-size", str(GROUP), *NO_GRACE, level="info")
     try:
         first = await asyncio.wait_for(first_hand_over(log, settings.topic("spans")), 120)
         cpu = proc_cpu(proc.pid)
@@ -381,20 +378,6 @@ async def run(args: argparse.Namespace, shape: Shape | None) -> dict[str, Any]:
                                        "compression": compression})
                 await ensure_topics(settings)
                 results[f"worker_backlog_drain_{compression}"] = await drain(settings, tmp, args.tasks, shape)
-            for round_ in range(2 if args.decoder_ab and not args.latency_only else 0):
-                # ABBA: a box whose load drifts during the run favours neither side
-                for decoder in ("fast", "fastavro") if round_ % 2 == 0 else ("fastavro", "fast"):
-                    settings = Settings(**{**base.__dict__, "namespace": f"benchdec{decoder}{round_}."})
-                    await ensure_topics(settings)
-                    results[f"worker_backlog_drain_decoder_{decoder}_{round_}"] = await drain(
-                        settings, tmp, args.tasks, shape, {"BOLTSTREAM_SPAN_DECODER": decoder})
-            if args.decoder_ab and not args.latency_only:
-                runs = {d: [results[f"worker_backlog_drain_decoder_{d}_{i}"] for i in range(2)]
-                        for d in ("fast", "fastavro")}
-                results["span_decoder_ratio"] = {  # hand-written decoder / fastavro, medians
-                    key: round(statistics.median(r[key] for r in runs["fast"])
-                               / statistics.median(r[key] for r in runs["fastavro"]), 3)
-                    for key in ("spans_per_s", "tokens_per_worker_cpu_s")}
             settings = Settings(**{**base.__dict__, "namespace": "benchlat."})
             await ensure_topics(settings)
             results["latency_group_size_1"] = await latency(settings, tmp, args.latency_s, args.rate, shape)
@@ -418,8 +401,6 @@ def main() -> int:
                     help="rollouts/s during the latency run (default 20 realistic, 100 small)")
     ap.add_argument("--latency-only", action="store_true", help="run part 3 only (no pure core, no throughput)")
     ap.add_argument("--no-stock", dest="stock", action="store_false", help="skip the stock faust run")
-    ap.add_argument("--decoder-ab", action="store_true",
-                    help="also drain twice with and twice without the hand-written Span decoder (zstd)")
     args = ap.parse_args()
     small = args.shape == "small"
     shape = None if small else Shape(args.calls, args.prompt, args.response, not args.no_shared_prefix)
