@@ -5,6 +5,9 @@ runner, OpenTelemetry GenAI semantic conventions, OpenInference, OpenLLMetry,
 AutoGen, LangGraph ...), each naming the same facts differently. Everything that
 depends on *which* attribute a framework writes lives here, so assembly, AIR and
 credit assignment reason about "an LLM call", "a tool span" or "the agent" only.
+What kind of span it is (LLM call, tool, reward) is decided by
+:mod:`boltstream.schemas.genai_semantics`, the rules the producers derive
+``boltstream.span.kind`` with.
 
 Attribute values are Avro union values as fastavro reads them: a scalar, or for
 arrays a one-key dict (``{"longs": [...]}``, ``{"strings": [...]}``, ...).
