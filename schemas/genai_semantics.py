@@ -53,11 +53,20 @@ KIND_BY_REQUEST_TYPE = {"chat": LLM, "completion": LLM, "embedding": "embedding"
 _KIND_ATTRIBUTES = (OPENINFERENCE_KIND, GENAI_OPERATION, TRACELOOP_KIND, AGENTOPS_KIND)
 
 
+# Values already in canonical form: returned without strip() / lower() (the common case, per span).
+_CANONICAL = frozenset({LLM, TOOL, AGENT, REWARD, ROLLOUT, "chain", *LLM_OPERATIONS, *KIND_BY_OPERATION,
+                        *KIND_BY_REQUEST_TYPE})
+
+
 def _word(value: Any) -> str | None:
-    if isinstance(value, str):
+    if value.__class__ is str:
+        if value in _CANONICAL:
+            return value
         value = value.strip().lower()
         if value:
             return value
+    elif isinstance(value, str):
+        return _word(str(value))
     return None
 
 
