@@ -61,7 +61,7 @@ before batch delivery and the pure-core work, load 0.95 at start: pure core
 pure core 20,171, worker 9,660 (stock 2,821), p50 37 ms, p99 200 ms; after,
 load 2.60 with another job's model server on the box: pure core 19,030, worker
 5,446 (stock 1,643), p99 192 ms. That p99 was aiokafka's 100 ms fetch stalls
-at the start of the load (fixed in streams/transport.py; before/after runs in
+at the start of the load (fixed in streams/faust_internals.py; before/after runs in
 docs/results.md).
 """
 

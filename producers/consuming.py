@@ -1,14 +1,17 @@
-"""Consumer-side offset tracking shared by the runner and the OTLP ingest.
+"""Which Kafka offsets the runner may commit, with tasks finishing out of order.
 
-Which offsets may be committed. Tasks finish out of order (a short task after
-a long one). Committing offset 8 while task 5 still runs would, after a crash,
+Tasks finish out of order (a short task after a long one). Committing offset 8 while task 5 still runs would, after a crash,
 skip task 5 forever: Kafka's committed offset means "everything before this is
 done", so only the contiguous prefix of finished records is committable.
-Entries are handles: :meth:`OffsetTracker.start` returns one and
-:meth:`OffsetTracker.finish` marks that very handle. When a partition is
+Entries are handles: :meth:`CommitTracker.start` returns one and
+:meth:`CommitTracker.finish` marks that very handle. When a partition is
 revoked its entries are forgotten; a task still running from before then
 finishes on an orphaned handle and cannot mark a newer run of the same offset
 done by mistake.
+
+Not the learner's tracker of which training records it used (what a restarted learner skips,
+kept in its checkpoint): that one remembers used offsets above the resume point, this one only
+finds the committable prefix, and neither needs the other's state.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ class Entry:
         self.done = False
 
 
-class OffsetTracker(Generic[TP]):
-    """Per-partition in-order record of dispatched offsets and their completion. Not thread-safe
+class CommitTracker(Generic[TP]):
+    """Per-partition in-order record of dispatched offsets and their completion: what may be committed. Not thread-safe
     (used from the runner's event loop only)."""
 
     def __init__(self) -> None:

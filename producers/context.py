@@ -44,7 +44,13 @@ from opentelemetry.trace import Status, StatusCode
 from boltstream.schemas import records
 
 from . import headers as wire
-from .rollout_processor import _ACTIVE, _ACTIVE_LOCK, _CURRENT, current_rollout, install_rollout_processor
+from .rollout_processor import (
+    current_rollout,
+    enter_rollout,
+    exit_rollout,
+    install_rollout_processor,
+    own_rollout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +244,8 @@ def rollout(
     for k, v in ctx.ids.items():
         octx = baggage.set_baggage(k, v, octx)
     token = otel_context.attach(octx)
-    var_token = _CURRENT.set(ctx)
     trace_id = span.get_span_context().trace_id
-    with _ACTIVE_LOCK:
-        _ACTIVE[trace_id] = ctx
+    var_token = enter_rollout(ctx, trace_id)
     try:
         yield ctx
     except RolloutTimeout as exc:
@@ -259,9 +263,7 @@ def rollout(
             span.set_status(Status(StatusCode.OK) if ctx.status == "ok" else Status(StatusCode.ERROR, ctx.error))
             span.end()
         finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE.pop(trace_id, None)
-            _CURRENT.reset(var_token)
+            exit_rollout(trace_id, var_token)
             otel_context.detach(token)
 
 
@@ -288,7 +290,7 @@ def rollout_fn(fn: F | None = None, *, task_id: str | None = None, attempt: int 
         if inspect.iscoroutinefunction(func):
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                outer = _CURRENT.get()
+                outer = own_rollout()
                 if outer is not None:
                     result = await func(*args, **kwargs)
                     outer.set_result(result, primary)
@@ -303,7 +305,7 @@ def rollout_fn(fn: F | None = None, *, task_id: str | None = None, attempt: int 
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            outer = _CURRENT.get()
+            outer = own_rollout()
             if outer is not None:
                 result = func(*args, **kwargs)
                 outer.set_result(result, primary)

@@ -42,9 +42,6 @@ _COMPLETION_ID = re.compile(r"^(chatcmpl|cmpl)-bs1\.([A-Za-z0-9_-]+)\.([0-9a-f]{
 _TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 # The addresses a feedback may name, in the order they are tried.
 TARGETS = ("completion_id", "rollout_id", "session_id", "trace_id")
-# Session attributes a span_key that keys rollouts by session reads (issue 15: gen_ai.conversation.id,
-# OpenInference session.id).
-SESSION_ATTRIBUTES = ("gen_ai.conversation.id", "session.id")
 _PROBE_TRACE = "0" * 32
 FEEDBACK_SCOPE = "boltstream.feedback"
 MAX_FIELD_CHARS = 1024
@@ -86,11 +83,11 @@ def decode_completion_id(value: str) -> tuple[str, str]:
     return key, m.group(3)
 
 
-def rollout_key(target: str, value: str) -> str:
+def target_key(target: str, value: str) -> str:
     """The ``spans`` topic key of the rollout ``target`` (rollout_id | session_id | trace_id) names.
 
     Computed by :func:`records.span_key` on a probe span, so the precedence stays in one place;
-    a session id is refused while ``span_key`` does not key rollouts by session.
+    a session id is refused should ``span_key`` stop keying rollouts by session.
     """
     if target == "rollout_id":
         return records.span_key({"rollout_id": value, "trace_id": _PROBE_TRACE}).decode("utf-8")
@@ -99,7 +96,7 @@ def rollout_key(target: str, value: str) -> str:
             raise FeedbackError("trace_id", f"trace id {value[:200]!r} is not 32 hex digits (W3C trace-id)")
         return records.span_key({"rollout_id": None, "trace_id": value.lower()}).decode("utf-8")
     if target == "session_id":
-        probe = {"rollout_id": None, "trace_id": _PROBE_TRACE, "attributes": dict.fromkeys(SESSION_ATTRIBUTES, value)}
+        probe = {"rollout_id": None, "trace_id": _PROBE_TRACE, "attributes": dict.fromkeys(records.SESSION_ATTRIBUTES, value)}
         key = records.span_key(probe).decode("utf-8")
         if key == _PROBE_TRACE:
             raise FeedbackError("session_id", "this version keys rollouts by rollout id or trace id, not by "
@@ -168,7 +165,7 @@ def parse_feedback(body: Mapping[str, Any]) -> Feedback:
     if target == "completion_id":
         key, parent = decode_completion_id(address)
     else:
-        key = rollout_key(target, address)
+        key = target_key(target, address)
     idempotency = _text(body, "idempotency_key") or f"{target}={address}|{name}|{value!r}"
     return Feedback(key, value, name, idempotency, f"{target}={address}", parent)
 

@@ -14,6 +14,8 @@ names confirmed against their sources:
   ``llm.invocation_parameters`` JSON);
 * OpenLLMetry (``traceloop.span.kind``, ``llm.request.type``; it writes the
   legacy ``gen_ai.*`` names for messages and usage);
+  (which of these makes a span an LLM call, a tool, an agent is decided in
+  :mod:`boltstream.schemas.genai_semantics`, shared with the stream app);
 * Agent Lightning (``prompt_token_ids`` / ``response_token_ids``, also as
   ``llm.hosted_vllm.*`` Python-repr strings, ``agentlightning.reward.N.value``
   and ``.name`` on ``agentlightning.annotation`` spans, AgentOps'
@@ -32,14 +34,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from boltstream.schemas.records import (
-    REWARD_NAME,
-    REWARD_PRIMARY,
-    REWARD_SPAN,
-    REWARD_VALUE,
-    ROLLOUT_SPAN,
-    SPAN_KIND,
-)
+from boltstream.schemas import genai_semantics
+from boltstream.schemas.records import REWARD_NAME, REWARD_PRIMARY, REWARD_VALUE, SPAN_KIND
 
 from .attributes import (
     INT32_MAX,
@@ -70,9 +66,6 @@ SAMPLING = {  # llm field -> (attribute names, invocation-parameter names)
     "max_tokens": (("gen_ai.request.max_tokens", "llm.request.max_tokens"), ("max_tokens", "max_completion_tokens")),
     "seed": (("gen_ai.request.seed", "gen_ai.openai.request.seed"), ("seed",)),
 }
-_LLM_OPERATIONS = {"chat", "text_completion", "completion", "generate_content", "responses"}
-_KIND_BY_OPERATION = {"execute_tool": "tool", "invoke_agent": "agent", "create_agent": "agent",
-                      "embeddings": "embedding"}
 
 
 def first(attrs: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
@@ -85,26 +78,16 @@ def first(attrs: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
-    """boltstream's coarse span kind: rollout, reward, llm, tool, agent, chain, ... or None if unknown."""
-    if name == ROLLOUT_SPAN:
-        return "rollout"
-    if name == REWARD_SPAN:
-        return "reward"
-    oi = attrs.get("openinference.span.kind")
-    if isinstance(oi, str) and oi:
-        return oi.lower()
-    op = attrs.get("gen_ai.operation.name")
-    if isinstance(op, str) and op:
-        return "llm" if op in _LLM_OPERATIONS else _KIND_BY_OPERATION.get(op, op)
-    tl = attrs.get("traceloop.span.kind")
-    if isinstance(tl, str) and tl:
-        return tl.lower()
-    if isinstance(attrs.get("llm.request.type"), str):
-        return "llm"
+    """The kind :func:`~boltstream.schemas.genai_semantics.span_kind` gives, else what only raw
+    attributes show (the normaliser moves them, so the stream app never sees them): an Agent
+    Lightning / AgentOps reward is a reward, token ids make an LLM call."""
+    kind = genai_semantics.span_kind(name, attrs)
+    if kind is not None:
+        return kind
     if _agl_reward(attrs) is not None:
-        return "reward"
+        return genai_semantics.REWARD
     if first(attrs, PROMPT_IDS + RESPONSE_IDS) is not None or VLLM_CHOICES in attrs:
-        return "llm"
+        return genai_semantics.LLM
     return None
 
 
@@ -259,7 +242,7 @@ def derived_attributes(name: str, attrs: Mapping[str, Any]) -> tuple[dict[str, A
     """
     added: dict[str, Any] = {}
     consumed: list[str] = []
-    kind = attrs.get(SPAN_KIND) or span_kind(name, attrs)
+    kind = span_kind(name, attrs)
     if kind and SPAN_KIND not in attrs:
         added[SPAN_KIND] = kind
     if kind == "reward" and REWARD_VALUE not in attrs:

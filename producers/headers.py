@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from boltstream.schemas.records import ID_ATTRIBUTES as ID_KEYS
-from boltstream.schemas.records import SESSION_ATTRIBUTES
-
-if TYPE_CHECKING:
-    from .context import RolloutContext
+from boltstream.schemas.records import ID_ATTRIBUTES, SESSION_ATTRIBUTES
 
 HEADER_ROLLOUT_ID = "X-Boltstream-Rollout-Id"
 HEADER_ATTEMPT_ID = "X-Boltstream-Attempt-Id"
@@ -51,7 +47,21 @@ _TRACE = TraceContextTextMapPropagator()
 _BAGGAGE = W3CBaggagePropagator()
 
 
-def headers_for(ctx: RolloutContext) -> dict[str, str]:
+class RolloutIds(Protocol):
+    """What the wire format needs of a rollout (:class:`~boltstream.producers.context.RolloutContext`
+    has it): this module sits below the rollout API, which builds its headers from it."""
+
+    rollout_id: str
+    attempt_id: str
+    task_id: str | None
+    capture: bool
+    span: Any
+
+    @property
+    def ids(self) -> dict[str, str]: ...
+
+
+def headers_for(ctx: RolloutIds) -> dict[str, str]:
     """The headers that carry ``ctx``'s ids to the inference worker."""
     if not ctx.capture:
         return {HEADER_CAPTURE: "off"}
@@ -97,13 +107,13 @@ def ids_from_headers(headers: Any) -> dict[str, str]:
     """The inverse, for the worker: ``{"boltstream.rollout_id": ..., ...}`` from a header mapping."""
     get = headers.get
     out: dict[str, str] = {}
-    for key, name in zip(ID_KEYS, (HEADER_ROLLOUT_ID, HEADER_ATTEMPT_ID, HEADER_TASK_ID), strict=True):
+    for key, name in zip(ID_ATTRIBUTES, (HEADER_ROLLOUT_ID, HEADER_ATTEMPT_ID, HEADER_TASK_ID), strict=True):
         v = get(name) or get(name.lower())
         if v:
             out[key] = v
     if len(out) < 2:  # fall back to W3C baggage
         bag = _BAGGAGE.extract({k.lower(): v for k, v in dict(headers).items()})
-        for key in ID_KEYS:
+        for key in ID_ATTRIBUTES:
             v = baggage.get_baggage(key, bag)
             if v and key not in out:
                 out[key] = str(v)
@@ -127,7 +137,7 @@ def decode_segment(segment: str) -> str | None:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
 
 
-def base_url_for(base_url: str, ctx: RolloutContext) -> str:
+def base_url_for(base_url: str, ctx: RolloutIds) -> str:
     """``{root}/rollout/{rollout_id}/{attempt_id}/{task_id}/v1`` for ``ctx``."""
     root = base_url.rstrip("/")
     if root.endswith("/v1"):
@@ -150,7 +160,7 @@ def parse_rollout_path(path: str) -> tuple[dict[str, str], str] | None:
         values = [decode_segment(m.group(g)) for g in ("r", "a", "t")]
     except (ValueError, UnicodeDecodeError):
         return None
-    ids = {k: v for k, v in zip(ID_KEYS, values, strict=True) if v}
-    if ID_KEYS[0] not in ids:
+    ids = {k: v for k, v in zip(ID_ATTRIBUTES, values, strict=True) if v}
+    if ID_ATTRIBUTES[0] not in ids:
         return None
     return ids, (m.group("prefix") or "") + (m.group("rest") or "")

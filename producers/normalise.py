@@ -28,17 +28,14 @@ from boltstream.schemas import records
 
 from .attributes import as_str, convert_attributes
 from .genai import TOKEN_KEYS, derived_attributes
+from .otel_internals import attribute_dict, span_attribute_dict
 
 _KIND_NAMES = {k: k.name for k in SpanKind}
 _STATUS_NAMES = {c: c.name for c in StatusCode}
 
-ID_KEYS: dict[str, tuple[str, ...]] = {
-    field: (ours, theirs)
-    for field, ours, theirs in zip(("rollout_id", "attempt_id", "task_id"), records.ID_ATTRIBUTES,
-                                   records.AGENTLIGHTNING_ID_ATTRIBUTES, strict=True)
-}
-_ID_LOOKUP = tuple((keys, fld) for fld, keys in ID_KEYS.items())
-_ID_ATTRS = tuple(f"boltstream.{fld}" for fld in ID_KEYS)
+# (attribute names to look for, promoted field), per id: ours, then Agent Lightning's.
+_ID_LOOKUP = tuple(((ours, theirs), fld) for fld, ours, theirs in zip(
+    records.ID_FIELDS, records.ID_ATTRIBUTES, records.AGENTLIGHTNING_ID_ATTRIBUTES, strict=True))
 TRUNCATED = records.TRUNCATED
 
 
@@ -83,15 +80,6 @@ def hex_id(v: int | str | bytes | None, width: int) -> str | None:
     return s.rjust(width, "0")
 
 
-def _plain_dict(attrs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The SDK hands out a read-only proxy over a locked mapping; every ``get`` through it costs ~1 µs.
-    One copy up front makes the dozens of lookups the GenAI mapping does plain dict lookups."""
-    if not attrs:
-        return {}
-    inner = getattr(attrs, "_dict", None)  # BoundedAttributes keeps its data here
-    return dict(inner) if isinstance(inner, dict) else dict(attrs)
-
-
 def from_readable(span: Any) -> SpanInput:
     """Adapt an OTel SDK ``ReadableSpan`` (duck-typed, so tests may pass stand-ins)."""
     ctx = span.context
@@ -109,8 +97,8 @@ def from_readable(span: Any) -> SpanInput:
         end_time_ns=span.end_time or span.start_time or 0,
         status_code=status.status_code.name if status is not None else "UNSET",
         status_message=(status.description or None) if status is not None else None,
-        attributes=_plain_dict(getattr(span, "_attributes", None) or span.attributes),
-        events=tuple(SpanEventInput(e.name, e.timestamp or 0, _plain_dict(e.attributes)) for e in span.events),
+        attributes=span_attribute_dict(span),
+        events=tuple(SpanEventInput(e.name, e.timestamp or 0, attribute_dict(e.attributes)) for e in span.events),
         resource=resource.attributes if resource is not None else {},
         scope_name=scope.name if scope is not None else None,
         scope_version=(scope.version or None) if scope is not None else None,
@@ -143,7 +131,7 @@ def promoted_ids(
     attrs: Mapping[str, Any], resource: Mapping[str, Any], defaults: Mapping[str, str | None] | None = None
 ) -> dict[str, str | None]:
     """rollout_id / attempt_id / task_id from attributes, then resource, then defaults."""
-    return dict(zip(ID_KEYS, _ids(attrs, resource, defaults), strict=True))
+    return dict(zip(records.ID_FIELDS, _ids(attrs, resource, defaults), strict=True))
 
 
 def _build(
@@ -161,7 +149,7 @@ def _build(
     if added:  # derived values are str / float / bool already: nothing to convert
         attrs.update(added)
     ids = _ids(raw, resource_raw, defaults)
-    for attr, val in zip(_ID_ATTRS, ids, strict=True):  # the promoted ids as attributes too (uniform queries)
+    for attr, val in zip(records.ID_ATTRIBUTES, ids, strict=True):  # the promoted ids as attributes too (uniform queries)
         if val is not None and attr not in attrs:
             attrs[attr] = val
     return {
@@ -242,21 +230,22 @@ class SpanNormaliser:
         return h
 
     def __call__(self, span: Any) -> dict[str, Any]:
-        try:  # SDK ReadableSpan internals: ~3x cheaper than its properties and enum names
-            ctx, parent, status, scope, res = (span._context, span._parent, span._status,
-                                               span._instrumentation_scope, span._resource)
-            raw_attrs, raw_events, kind = span._attributes, span._events, _KIND_NAMES[span._kind]
+        try:  # ReadableSpan's public properties; the enum names by dict lookup
+            ctx, parent, status, scope, res = (span.context, span.parent, span.status,
+                                               span.instrumentation_scope, span.resource)
+            kind = _KIND_NAMES[span.kind]
             code = _STATUS_NAMES[status.status_code] if status is not None else "UNSET"
         except (AttributeError, KeyError):
             return normalise(from_readable(span), self.defaults, self._resource(getattr(span, "resource", None)))
-        start = span._start_time or 0
+        start = span.start_time or 0
+        events = span.events
         return _build(  # a trace's id, and its parents' ids, recur on many spans: formatted once
             self._hex(self._trace_hex, ctx.trace_id, "032x"), format(ctx.span_id, "016x"),
             self._hex(self._span_hex, parent.span_id, "016x") if parent is not None else None,
-            span._name, kind, start, span._end_time or start,
+            span.name, kind, start, span.end_time or start,
             code, (status.description or None) if status is not None else None,
-            _plain_dict(raw_attrs),
-            [(e.name, e.timestamp or 0, _plain_dict(e.attributes)) for e in raw_events] if raw_events else (),
+            span_attribute_dict(span),
+            [(e.name, e.timestamp or 0, attribute_dict(e.attributes)) for e in events] if events else (),
             res.attributes if res is not None else {}, self._resource(res),
             scope.name if scope is not None else None, (scope.version or None) if scope is not None else None,
             self.defaults,

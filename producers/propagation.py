@@ -43,6 +43,7 @@ from opentelemetry.propagators.textmap import (
 from boltstream.schemas.records import ID_ATTRIBUTES, ROLLOUT_ID
 
 from .headers import session_of
+from .otel_internals import propagator_members
 from .rollout_processor import current_rollout
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def install_rollout_propagator(defaults: Mapping[str, str] | None = None) -> Rol
     """Append a :class:`RolloutBaggagePropagator` to the global propagator once; returns the one in place."""
     with _INSTALL_LOCK:
         current: Any = propagate.get_global_textmap()
-        for p in [current, *getattr(current, "_propagators", ())]:
+        for p in propagator_members(current):
             if isinstance(p, RolloutBaggagePropagator):
                 if defaults:  # the latest exporter's env ids; none given keeps the ones in place
                     p.defaults = RolloutBaggagePropagator(defaults).defaults

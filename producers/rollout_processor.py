@@ -16,7 +16,9 @@ exporter the app uses) sees them. Lookup order per span:
 ``install_rollout_processor`` is idempotent and is called by ``rollout()``
 and by the exporter, so ``opentelemetry-instrument`` setups get it without code.
 The registry lives here, below :mod:`.context`, so the rollout API can install the
-processor and the processor can read the registry without either importing the other.
+processor and register its rollouts, and the processor can read the registry, without this
+module importing the rollout API: a registered rollout is anything with the ids
+(:class:`~boltstream.producers.headers.RolloutIds`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context
@@ -32,31 +34,49 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from boltstream.schemas import records
 
-from .headers import session_of
-
-if TYPE_CHECKING:
-    from .context import RolloutContext
+from .headers import RolloutIds, session_of
+from .otel_internals import set_start_attributes, start_attributes
 
 log = logging.getLogger(__name__)
 _MARK = "_boltstream_rollout_processor"
 _INSTALL_LOCK = threading.Lock()
 
-_CURRENT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("boltstream_rollout",
-                                                                                 default=None)
-_ACTIVE: dict[int, RolloutContext] = {}  # trace_id -> rollout, for spans whose context was lost
+_CURRENT: contextvars.ContextVar[RolloutIds | None] = contextvars.ContextVar("boltstream_rollout", default=None)
+_ACTIVE: dict[int, RolloutIds] = {}  # trace_id -> rollout, for spans whose context was lost
 _ACTIVE_LOCK = threading.Lock()
 
 
-def active_rollouts() -> list[RolloutContext]:
+def enter_rollout(ctx: RolloutIds, trace_id: int) -> contextvars.Token[RolloutIds | None]:
+    """Register a rollout that starts running here with root trace ``trace_id``; returns what
+    :func:`exit_rollout` needs."""
+    token = _CURRENT.set(ctx)
+    with _ACTIVE_LOCK:
+        _ACTIVE[trace_id] = ctx
+    return token
+
+
+def exit_rollout(trace_id: int, token: contextvars.Token[RolloutIds | None]) -> None:
+    """The rollout :func:`enter_rollout` registered has ended."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.pop(trace_id, None)
+    _CURRENT.reset(token)
+
+
+def own_rollout() -> RolloutIds | None:
+    """The rollout this context runs in, and only that (no process-wide guess): None outside one."""
+    return _CURRENT.get()
+
+
+def active_rollouts() -> list[RolloutIds]:
     with _ACTIVE_LOCK:
         return list(_ACTIVE.values())
 
 
-def rollout_for_trace(trace_id: int) -> RolloutContext | None:
+def rollout_for_trace(trace_id: int) -> RolloutIds | None:
     return _ACTIVE.get(trace_id)
 
 
-def current_rollout() -> RolloutContext | None:
+def current_rollout() -> RolloutIds | None:
     """The rollout this code runs in: the context variable, else the only rollout active in the process."""
     ctx = _CURRENT.get()
     if ctx is not None:
@@ -70,9 +90,8 @@ class RolloutSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Any, parent_context: Context | None = None) -> None:
         try:
-            bounded = getattr(span, "_attributes", None)
-            inner = getattr(bounded, "_dict", None)  # the SDK's storage, skipping its locked proxy
-            if records.ROLLOUT_ID in (inner if inner is not None else (span.attributes or ())):
+            attrs = start_attributes(span)
+            if records.ROLLOUT_ID in attrs:
                 return  # set explicitly by whoever started the span: theirs wins
             ids: dict[str, str] | None = None
             if parent_context is None:  # the current context: our context variable says it all, cheaply
@@ -89,32 +108,19 @@ class RolloutSpanProcessor(SpanProcessor):
                         owner = active[0] if len(active) == 1 else None
                     ids = owner.ids if owner is not None else None
             if not ids:
-                ids = self._session(span, inner, parent_context)
+                ids = self._session(attrs, parent_context)
             if ids:
-                self._stamp(span, bounded, inner, ids)
+                set_start_attributes(span, ids)
         except Exception:  # a processor must never break the app's span
             log.debug("RolloutSpanProcessor.on_start failed", exc_info=True)
 
     @staticmethod
-    def _session(span: Any, inner: Any, parent_context: Context | None) -> dict[str, str] | None:
+    def _session(attrs: Any, parent_context: Context | None) -> dict[str, str] | None:
         """No rollout: the session the span runs in (records.rollout_key keys it by that)."""
-        attrs = inner if inner is not None else (span.attributes or {})
         if any(name in attrs for name in records.SESSION_ATTRIBUTES):
             return None
         session = session_of(parent_context)
         return dict([session]) if session else None
-
-    @staticmethod
-    def _stamp(span: Any, bounded: Any, inner: Any, ids: dict[str, str]) -> None:
-        """Write the ids. Straight into the SDK's attribute dict when there is room (they are plain
-        strings, and the span is not yet visible to other threads): ~3x cheaper than set_attributes,
-        which re-validates every value under two locks. The public API otherwise."""
-        max_len = getattr(bounded, "maxlen", None)
-        if isinstance(inner, dict) and not getattr(bounded, "_immutable", True) and (
-                max_len is None or len(inner) + len(ids) <= max_len):
-            inner.update(ids)
-        else:
-            span.set_attributes(ids)
 
     def on_end(self, span: Any) -> None:
         return None

@@ -38,7 +38,7 @@ from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass
 from boltstream.errors import ConfigError
 
 from .agent import AgentInvoker, load_agent
-from .consuming import Entry, OffsetTracker
+from .consuming import CommitTracker, Entry
 from .context import RolloutTimeout, rollout
 from .runner_metrics import RunnerMetrics
 
@@ -113,7 +113,7 @@ class Runner:
         fn = agent or load_agent(config.agent)
         self.invoker = AgentInvoker(fn, config.workers, config.max_abandoned)
         self.agent_name = config.agent_name or getattr(fn, "__name__", None)
-        self.tracker: OffsetTracker[Any] = OffsetTracker()
+        self.tracker: CommitTracker[Any] = CommitTracker()
         self._uncommitted: dict[Any, int] = {}
         self._tasks: dict[Any, set[asyncio.Task[None]]] = {}
         self._stop = asyncio.Event()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
 
@@ -57,7 +57,6 @@ CONFLUENT_MAGIC = 0
 _SINGLE_HEADER_LEN = 10  # C3 01 + 8-byte fingerprint
 _CONFLUENT_HEADER_LEN = 5  # 00 + 4-byte id
 _BYTES_TYPES = (bytes, bytearray, memoryview)
-_FAST_SPAN: dict[bytes, Any] = {}  # Span schema fingerprint -> its verified FastSpanDecoder, or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +80,6 @@ class _Reader:
     reader: dict[str, Any] | None
     label: str
     packed: bool = False
-    # A hand-written reader of the same bytes (schemas/span_decoder.py): ``(data, offset) -> record``.
-    fast: Callable[[bytes, int], dict[str, Any]] | None = None
 
 
 class Codec:
@@ -127,8 +124,6 @@ class Codec:
             self._by_fingerprint[sv.fingerprint] = _Reader(
                 sv.record, sv.parsed, reader, f"{sv.record} v{sv.version}", self._writers[sv.record].packed
             )
-        if "Span" in self.catalog.records:
-            self._attach_fast_span()
 
     @classmethod
     def from_registry_url(
@@ -187,28 +182,6 @@ class Codec:
             ) from exc
         return buf.getvalue()
 
-    def reference_roundtrip(self, record: str, value: Mapping[str, Any]) -> tuple[bytes, int, dict[str, Any]]:
-        """(single-object bytes of ``value`` as the newest ``record``, where its Avro body starts, what
-        fastavro reads back): what a hand-written reader checks itself against. Single-object
-        whatever this codec's framing, so no registry is asked."""
-        writer = self._writers[record]
-        data = self._encode(writer, writer.single_header, value, None)
-        reader = self._by_fingerprint[writer.version.fingerprint]
-        return data, _SINGLE_HEADER_LEN, self._read(data, _SINGLE_HEADER_LEN, replace(reader, fast=None), None)
-
-    def _attach_fast_span(self) -> None:
-        """Newest-Span single-object records are read by the hand-written decoder when it agrees with
-        fastavro (a ~17 % CPU share of the stream worker on small spans); older writers keep fastavro.
-        Built and verified once per schema (~4 ms) and shared: it depends on nothing else."""
-        from .span_decoder import FastSpanDecoder
-
-        fingerprint = self.catalog.latest("Span").fingerprint
-        if fingerprint not in _FAST_SPAN:
-            _FAST_SPAN[fingerprint] = FastSpanDecoder.create(self)
-        fast = _FAST_SPAN[fingerprint]
-        if fast is not None:
-            self._by_fingerprint[fingerprint] = replace(self._by_fingerprint[fingerprint], fast=fast.decode)
-
     def _confluent_header(self, writer: _Writer, topic: str | None) -> bytes:
         key = (writer.version.record, topic)
         header = self._confluent_headers.get(key)
@@ -244,11 +217,6 @@ class Codec:
         if data.__class__ is bytes and data[:2] == SINGLE_OBJECT_MAGIC:
             reader = self._by_fingerprint.get(data[2:_SINGLE_HEADER_LEN])
             if reader is not None and (expect is None or reader.record == self._names.get(expect, expect)):
-                if reader.fast is not None:
-                    try:
-                        return reader.fast(data, _SINGLE_HEADER_LEN)
-                    except SchemaError as exc:
-                        raise SchemaError(exc.reason, topic=topic) from exc
                 return self._read(data, _SINGLE_HEADER_LEN, reader, topic)
         if not isinstance(data, _BYTES_TYPES):
             what = "no value (None: a tombstone?)" if data is None else f"{type(data).__name__}, not bytes"

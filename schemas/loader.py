@@ -107,7 +107,7 @@ def _package_dir() -> Traversable:
 
 
 class SchemaCatalog:
-    """All schema versions found in a list of directories, indexed by record, version and fingerprint.
+    """All schema versions found in a list of directories, indexed by record and version.
 
     Built once per process (see ``default_catalog``) because parsing and fingerprinting every version
     costs milliseconds; lookups afterwards are dict hits. Read-only after construction, so it is safe
@@ -118,17 +118,14 @@ class SchemaCatalog:
         roots: list[Traversable] = [_package_dir()] if include_package else []
         roots.extend(_as_traversable(d) for d in dirs or ())
         self._versions: dict[str, dict[int, SchemaVersion]] = {}
-        self._by_fingerprint: dict[bytes, SchemaVersion] = {}
         self._by_fullname: dict[str, str] = {}
         self._aliases: dict[str, str] = {}
         for root in roots:
             for sv in self._scan(root):
                 self._add(sv)
-        # Later versions win a fingerprint tie (a version that only changed docs or defaults).
         for record, versions in self._versions.items():
             for version in sorted(versions):
                 sv = versions[version]
-                self._by_fingerprint[sv.fingerprint] = sv
                 self._by_fullname[sv.fullname] = record
                 self._aliases.update({record: record, snake_case(record): record, sv.fullname: record})
         self._latest = {record: versions[max(versions)] for record, versions in self._versions.items()}
@@ -209,10 +206,6 @@ class SchemaCatalog:
     def latest(self, name: str) -> SchemaVersion:
         """The newest version: what the codec writes with and reads into."""
         return self.get(name)
-
-    def by_fingerprint(self, fingerprint: bytes) -> SchemaVersion | None:
-        """The schema version whose 8-byte CRC-64-AVRO fingerprint this is, if any is on disk."""
-        return self._by_fingerprint.get(fingerprint)
 
     def record_for_fullname(self, fullname: str) -> str | None:
         """``boltstream.v1.Span`` -> ``Span``; None for a record this catalog does not know."""

@@ -24,6 +24,8 @@ ROLLOUT_ID = "boltstream.rollout_id"
 ATTEMPT_ID = "boltstream.attempt_id"
 TASK_ID = "boltstream.task_id"
 ID_ATTRIBUTES = (ROLLOUT_ID, ATTEMPT_ID, TASK_ID)
+# The same ids as the Span record's promoted fields, in the same order.
+ID_FIELDS = ("rollout_id", "attempt_id", "task_id")
 # The same ids as Agent Lightning writes them; read as equivalents, never written.
 AGENTLIGHTNING_ID_ATTRIBUTES = ("agentlightning.rollout_id", "agentlightning.attempt_id", "agentlightning.task_id")
 

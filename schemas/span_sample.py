@@ -1,6 +1,6 @@
-"""A Span record that exercises every branch of the Span schema's layout: the fixture both hand-written
-Span codecs check themselves against at start (producers/span_encoder.py writes it, schemas/span_decoder.py
-reads it) and their tests use. In the records layer so the reader needs nothing from the producers."""
+"""A Span record that exercises every branch of the Span schema's layout: the fixture the hand-written
+Span encoder (producers/span_encoder.py) checks itself against at start, against fastavro, and its
+tests use."""
 
 from __future__ import annotations
 

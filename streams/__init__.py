@@ -18,6 +18,7 @@ from .air import (
     evaluate_air,
 )
 from .assembly import AssemblyStats, assemble_trajectory, assemble_trajectory_with_stats
+from .core_config import AssemblyConfig, CreditConfig
 from .credit import (
     GroupCredit,
     RolloutReturns,
@@ -39,7 +40,6 @@ from .grouping import (
     group_key,
     split_samples,
 )
-from .settings import AssemblyConfig, CreditConfig
 from .span_tree import VIRTUAL_ROOT_ID, AssemblyError, SpanTree, build_span_tree, dedupe_spans
 from .spans import (
     attr,

@@ -2,7 +2,7 @@
 
 Why faust: consumer-group scaling, changelog-backed tables restored on every
 rebalance, and agents/timers on one event loop, with no JVM. What we add
-(streams/tables.py, streams/transport.py): explicit-partition table writes in
+(streams/tables.py, streams/faust_internals.py): explicit-partition table writes in
 chunks, a Tansu recovery fix, a short fetch wait, and delivery of each fetch to
 the stages as one batch (with the rewind of records a rebalance left behind).
 
@@ -42,10 +42,10 @@ from boltstream.kafka import HEARTBEAT_INTERVAL_MS, REBALANCE_TIMEOUT_MS, SESSIO
 from boltstream.schemas import Codec
 
 from .config import StreamConfig, load_stream_config
+from .faust_internals import StreamFaustApp
 from .metrics import StreamMetrics, consumer_lag
 from .stages import GroupStage, RolloutStage
 from .tables import ChangelogMap, catch_up
-from .transport import StreamFaustApp
 
 log = logging.getLogger(__name__)
 

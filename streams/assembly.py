@@ -39,8 +39,8 @@ from boltstream.schemas import records
 from boltstream.schemas.packed import F32, I32, as_array, pack
 
 from .air import CallRef, evaluate_air
+from .core_config import AssemblyConfig
 from .evaluations import evaluation_rewards
-from .settings import AssemblyConfig
 from .span_tree import AssemblyError, SpanTree, build_span_tree
 from .spans import (
     RewardInfo,

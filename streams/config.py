@@ -42,7 +42,7 @@ from boltstream.config import DEFAULT_GROUP_SIZE, Settings, load, opt
 from boltstream.errors import ConfigError
 
 from .air import DEFAULT_AIR_RULES, AirRule, air_rules_from_yaml
-from .settings import AssemblyConfig, CreditConfig
+from .core_config import AssemblyConfig, CreditConfig
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from boltstream.schemas.packed import F32, I32, as_array
 
-from .settings import CreditConfig
+from .core_config import CreditConfig
 
 logger = logging.getLogger(__name__)
 

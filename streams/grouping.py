@@ -22,8 +22,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .core_config import CreditConfig
 from .credit import Sample, group_credit
-from .settings import CreditConfig
 
 logger = logging.getLogger(__name__)
 

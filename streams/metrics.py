@@ -7,9 +7,8 @@ shows into one immutable :class:`Snapshot`; the scrape thread only reads the
 latest one. The changelog save latency is a histogram observed on the loop
 (prometheus_client's metrics are thread-safe).
 
-Consumer lag relies on faust-streaming 0.15.3's ``Consumer.highwater(tp)`` (the
-high watermark of the last fetch) and ``Consumer._read_offset`` (the last offset
-handed to a stage; streams/transport.py maintains it on the batch path too).
+Consumer lag is the high watermark of faust's last fetch minus the last offset handed to a stage
+(faust's private offsets, read through :func:`streams.faust_internals.read_offsets`).
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from .faust_internals import read_offsets
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ def partition_lag(highwater: int | None, read_offset: int | None, committed: int
 def consumer_lag(consumer: Any, topics: Iterable[str]) -> dict[tuple[str, int], int]:
     """Lag of every partition of ``topics`` assigned to faust's ``consumer`` (see the module docstring)."""
     wanted = set(topics)
-    read = getattr(consumer, "_read_offset", {})
-    committed = getattr(consumer, "_committed_offset", {})
+    read, committed = read_offsets(consumer)
     out: dict[tuple[str, int], int] = {}
     for tp in consumer.assignment():
         if tp.topic not in wanted:

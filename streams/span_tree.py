@@ -113,10 +113,6 @@ def _break_cycles(parent_of: dict[str, str | None]) -> None:
             state[span_id] = 2
 
 
-def _same_trace(a: Span, b: Span) -> bool:
-    return a.get("trace_id") == b.get("trace_id")
-
-
 def _by_duration(ids: Iterable[str], unique: Mapping[str, Span]) -> list[tuple[int, int, int, str]]:
     """(duration, start, end, id) sorted tightest first, ties to the later start (the :func:`_tightest` order)."""
     rows = []

@@ -5,6 +5,9 @@ runner, OpenTelemetry GenAI semantic conventions, OpenInference, OpenLLMetry,
 AutoGen, LangGraph ...), each naming the same facts differently. Everything that
 depends on *which* attribute a framework writes lives here, so assembly, AIR and
 credit assignment reason about "an LLM call", "a tool span" or "the agent" only.
+What kind of span it is (LLM call, tool, reward) is decided by
+:mod:`boltstream.schemas.genai_semantics`, the rules the producers derive
+``boltstream.span.kind`` with.
 
 Attribute values are Avro union values as fastavro reads them: a scalar, or for
 arrays a one-key dict (``{"longs": [...]}``, ``{"strings": [...]}``, ...).
@@ -41,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from boltstream.schemas import genai_semantics as semantics
 from boltstream.schemas import records
 
 logger = logging.getLogger(__name__)
@@ -48,9 +52,7 @@ logger = logging.getLogger(__name__)
 Span = Mapping[str, Any]
 
 _ARRAY_KEYS = ("longs", "strings", "doubles", "bools")
-_LLM_OPERATIONS = frozenset({"chat", "text_completion", "completion", "generate_content", "responses"})
-_LEGACY_LLM_REQUEST_TYPES = frozenset({"chat", "completion"})
-AGENTOPS_KIND = "agentops.span.kind"
+_AGENT = frozenset({semantics.AGENT})
 _AGENT_METADATA_KEYS = ("lc_agent_name", "langgraph_node")
 _METADATA_PREFIXES = ("langsmith.metadata.", "traceloop.association.properties.")
 
@@ -126,7 +128,7 @@ def _lower_in(attrs: Mapping[str, Any], key: str, allowed: frozenset[str]) -> bo
 
 
 def _oi_kind(attrs: Mapping[str, Any]) -> str | None:
-    kind = _str_of(attrs, "openinference.span.kind")
+    kind = _str_of(attrs, semantics.OPENINFERENCE_KIND)
     return kind.upper() if kind else None
 
 
@@ -135,26 +137,21 @@ def openinference_kind(span: Span) -> str | None:
     return _oi_kind(_attrs(span))
 
 
+def _kind(span: Span, attrs: Mapping[str, Any]) -> str | None:
+    return semantics.span_kind(span.get("name"), attrs)
+
+
 def _is_llm(span: Span, attrs: Mapping[str, Any]) -> bool:
-    if span.get("llm") is not None:
-        return True
-    if not attrs:
-        return False
-    return (
-        attrs.get(records.SPAN_KIND) == "llm"
-        or _lower_in(attrs, "gen_ai.operation.name", _LLM_OPERATIONS)
-        or _oi_kind(attrs) == "LLM"
-        or _lower_in(attrs, "llm.request.type", _LEGACY_LLM_REQUEST_TYPES)
-    )
+    return span.get("llm") is not None or (bool(attrs) and _kind(span, attrs) == semantics.LLM)
 
 
 def is_llm_span(span: Span) -> bool:
     """True for an LLM call, recorded by us or described by a tracing convention.
 
-    Ours carry the typed ``llm`` block; others are recognised by GenAI
-    ``gen_ai.operation.name``, OpenInference kind ``LLM`` or OpenLLMetry's legacy
-    ``llm.request.type``. Whether token ids were recorded is a separate question
-    (:func:`has_token_ids`).
+    Ours carry the typed ``llm`` block; others are recognised by the rules of
+    :mod:`boltstream.schemas.genai_semantics` (GenAI ``gen_ai.operation.name``, OpenInference
+    kind ``LLM``, OpenLLMetry's ``llm.request.type`` ...). Whether token ids were recorded is a
+    separate question (:func:`has_token_ids`).
     """
     return _is_llm(span, _attrs(span))
 
@@ -165,31 +162,15 @@ def has_token_ids(span: Span) -> bool:
     return bool(llm) and bool(llm.get("prompt_token_ids")) and bool(llm.get("response_token_ids"))
 
 
-_TOOL = frozenset({"tool"})
-_EXECUTE_TOOL = frozenset({"execute_tool"})
-_AGENT = frozenset({"agent"})
-
-
-def _is_tool_attrs(attrs: Mapping[str, Any]) -> bool:
-    return (
-        attrs.get(records.SPAN_KIND) == "tool"
-        or _lower_in(attrs, "gen_ai.operation.name", _EXECUTE_TOOL)
-        or _oi_kind(attrs) == "TOOL"
-        or _lower_in(attrs, "traceloop.span.kind", _TOOL)
-        or _lower_in(attrs, AGENTOPS_KIND, _TOOL)
-    )
-
-
 def is_tool_span(span: Span) -> bool:
     """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry or AgentOps ``tool``)."""
-    attrs = _attrs(span)
-    return bool(attrs) and not _is_llm(span, attrs) and _is_tool_attrs(attrs)
+    return span_kind(span).tool
 
 
 def is_reward_span(span: Span) -> bool:
     """True for a reward span: ``boltstream.reward`` (``emit_reward``, the runner) or one the
     producers' normaliser recognised (``boltstream.span.kind`` = ``reward``, e.g. Agent Lightning's)."""
-    return span.get("name") == records.REWARD_SPAN or _attrs(span).get(records.SPAN_KIND) == "reward"
+    return _kind(span, _attrs(span)) == semantics.REWARD
 
 
 def is_feedback(span: Span) -> bool:
@@ -228,13 +209,9 @@ class SpanKind(NamedTuple):
 
 def span_kind(span: Span) -> SpanKind:
     """:func:`is_llm_span`, :func:`is_tool_span` and :func:`is_reward_span` of ``span`` in one pass."""
-    attrs = _attrs(span)
-    llm = _is_llm(span, attrs)
-    return SpanKind(
-        llm,
-        bool(attrs) and not llm and _is_tool_attrs(attrs),
-        span.get("name") == records.REWARD_SPAN or attrs.get(records.SPAN_KIND) == "reward",
-    )
+    kind = _kind(span, _attrs(span))
+    llm = span.get("llm") is not None or kind == semantics.LLM
+    return SpanKind(llm, not llm and kind == semantics.TOOL, kind == semantics.REWARD)
 
 
 @dataclass(frozen=True)
@@ -301,7 +278,7 @@ def _from_metadata_json(attrs: Mapping[str, Any]) -> str | None:
 _METADATA_KEYS = tuple(prefix + key for key in _AGENT_METADATA_KEYS for prefix in _METADATA_PREFIXES)
 # Every attribute own_agent_name reads: a span carrying none of them names no agent.
 _AGENT_NAME_KEYS = frozenset(
-    {records.AGENT_NAME, "gen_ai.agent.name", "agent.name", AGENTOPS_KIND, "graph.node.id", "recipient_agent_type", "metadata",
+    {records.AGENT_NAME, "gen_ai.agent.name", "agent.name", semantics.AGENTOPS_KIND, "graph.node.id", "recipient_agent_type", "metadata",
      "langgraph.node", *_METADATA_KEYS}
 )
 
@@ -315,7 +292,7 @@ def own_agent_name(span: Span) -> str | None:
         name = _str_of(attrs, key)
         if name:
             return name
-    if _lower_in(attrs, AGENTOPS_KIND, _AGENT):
+    if _lower_in(attrs, semantics.AGENTOPS_KIND, _AGENT):
         name = _str_of(attrs, "operation.name")
         if name:
             return name

@@ -9,7 +9,8 @@ changelog topic, recovers it on assignment and drops revoked partitions) but
 writes the local store and sends the changelog record itself, with the
 partition of the source record, through the app's producer. Faust flushes
 that producer before every offset commit, so a committed source offset never
-stands for a change that is not in the changelog.
+stands for a change that is not in the changelog. What this relies on in faust is listed, with
+the versions checked, in :mod:`boltstream.streams.faust_internals`.
 
 Keys and values are bytes on both sides (``key_type=bytes, value_type=bytes``:
 faust's ``raw`` codec), so a recovered store holds exactly what was written.

@@ -7,16 +7,13 @@ lets us fail and heal the "broker" at will and count exactly.
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, MessageSizeTooLargeError
-from aiokafka.partitioner import murmur2 as kafka_murmur2
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
@@ -24,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from boltstream.config import Settings
 from boltstream.producers.exporter import ExporterConfig, KafkaSpanExporter, RolloutDefaults
-from boltstream.producers.sender import murmur2
+from boltstream.producers.sender import partition_for
 from boltstream.schemas import Codec
 
 
@@ -249,11 +246,15 @@ def test_shutdown_is_bounded_when_the_broker_never_comes(broker: FakeBroker) -> 
     assert exp.metrics.dropped_shutdown == 5
 
 
-def test_partitioner_hash_is_kafkas() -> None:
-    rng = random.Random(3)
-    keys = [bytes(rng.randrange(256) for _ in range(rng.randrange(70))) for _ in range(3000)]
-    keys += [str(uuid.uuid4()).encode() for _ in range(100)]
-    assert [murmur2(k) for k in keys] == [kafka_murmur2(k) for k in keys]
+# Partitions the sender's own murmur2 picked before it used aiokafka's: a key must not move.
+PARTITION_KEYS = [b"", b"a", b"ab", b"abc", b"abcd", b"rollout-1", b"9f1c3a52-8d4e-5b7a-9c2d-0e1f2a3b4c5d",
+                  "ü✓-session".encode(), b"ab" * 16, b"\xff" * 7]
+PARTITIONS = {1: [0] * 10, 4: [1, 0, 2, 3, 0, 1, 2, 2, 3, 3], 12: [9, 4, 2, 3, 8, 5, 2, 10, 7, 7]}
+
+
+@pytest.mark.parametrize("n", sorted(PARTITIONS))
+def test_a_key_goes_to_the_partition_it_always_went_to(n: int) -> None:
+    assert [partition_for(k, list(range(n))) for k in PARTITION_KEYS] == PARTITIONS[n]
 
 
 def test_constructible_from_env_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

@@ -13,14 +13,14 @@ import pytest
 
 from boltstream.errors import ConfigError
 from boltstream.producers.agent import AgentInvoker, load_agent, wants_context
-from boltstream.producers.consuming import OffsetTracker
+from boltstream.producers.consuming import CommitTracker
 from boltstream.producers.context import RolloutContext, RolloutTimeout
 from boltstream.producers.runner import RunnerConfig
 from boltstream.producers.tasks import read_rows, validate
 
 
 def test_only_the_contiguous_finished_prefix_is_committable() -> None:
-    t: OffsetTracker[str] = OffsetTracker()
+    t: CommitTracker[str] = CommitTracker()
     e = {o: t.start("p0", o) for o in (5, 6, 7, 9)}
     assert t.committable() == {}
     t.finish(e[6])
@@ -35,7 +35,7 @@ def test_only_the_contiguous_finished_prefix_is_committable() -> None:
 
 
 def test_refetched_offsets_are_not_dispatched_twice() -> None:
-    t: OffsetTracker[str] = OffsetTracker()
+    t: CommitTracker[str] = CommitTracker()
     a = t.start("p", 0)
     assert t.start("p", 0) is None, "still in flight"
     t.finish(a)
@@ -45,7 +45,7 @@ def test_refetched_offsets_are_not_dispatched_twice() -> None:
 
 
 def test_forgotten_partitions_orphan_their_entries() -> None:
-    t: OffsetTracker[str] = OffsetTracker()
+    t: CommitTracker[str] = CommitTracker()
     old = t.start("p", 3)
     assert t.forget(["p"]) == 1
     new = t.start("p", 3)

@@ -1,4 +1,32 @@
-"""A faust Kafka transport tuned for the embedded broker and for per-span throughput.
+"""Every faust internal the stream app relies on: a Kafka transport tuned for the embedded broker
+and for per-span throughput, in the one module that may touch faust's private API.
+
+The contract (faust-streaming and aiokafka at the versions in :data:`CHECKED_WITH`; the test
+``tests/unit/streams/test_faust_internals.py`` fails, naming them, on any other version: re-check
+each point below against the new source, then add the version):
+
+* ``faust.App._new_transport()`` builds the consumer transport (overridden to pick ours);
+  ``faust.transport.drivers.aiokafka.Transport.Consumer`` is the consumer class it uses.
+* ``Consumer._new_consumer_thread()`` builds the thread that owns the aiokafka consumer;
+  ``AIOKafkaConsumerThread._create_worker_consumer()`` builds that consumer, and aiokafka's
+  ``AIOKafkaConsumer`` reads ``_fetch_max_wait_ms`` in ``start()``.
+* ``AIOKafkaConsumerThread._fetch_records(consumer, active_partitions, timeout, max_records)``
+  runs each fetch in that thread; ``Consumer._getmany(active_partitions, timeout)`` asks for one.
+* ``Consumer._drain_messages(fetcher)`` is the loop that hands records to faust's callback; ours
+  replaces it and uses, as faust's own does: ``_stopped``, ``flow_active``, ``can_resume_flow``,
+  ``_get_active_partitions()``, ``_buffered_partitions``, ``_read_offset``, ``_add_gap()``,
+  ``_to_message()``, ``_unacked_messages``, ``ack()``, ``callback``, ``suspend_flow``,
+  ``wait_first()``, ``seek_wait()``, ``diag`` with ``CONSUMER_FETCHING``,
+  ``consumer_stopped_errors``, ``app.consumer_generation_id``, ``app.topics.acks_enabled_for``
+  and the monitor's ``track_tp_end_offset`` / ``stream_inbound_time``.
+* Consumer lag (streams/metrics.py): ``Consumer.highwater(tp)`` is the high watermark of the
+  last fetch; ``Consumer._read_offset`` and ``_committed_offset`` map a partition to the last
+  offset handed to a stage and to the committed one (:func:`read_offsets`).
+* Tables (streams/tables.py, public API, but around faust's own writes): ``Table.data`` is the
+  local store, a write to it sends nothing; ``app.producer.send(topic, key, value, partition,
+  timestamp, headers)`` sends the changelog record; a table with ``key_type=bytes,
+  value_type=bytes`` recovers exactly those bytes into ``Table.data``; faust flushes the
+  producer before it commits offsets.
 
 Two measured problems with faust-streaming 0.15.3's stock aiokafka transport:
 
@@ -52,8 +80,7 @@ but did not hand over back to the first of them (when still assigned), so
 nothing depends on a commit existing. faust's own per-record path
 (``fast_consumer=false``) still drops such records as faust does.
 
-The 100 ms fetch stalls (the stream app's p99 of ~200 ms root span -> samples,
-issue 20). faust "pauses" a partition only in its own bookkeeping (its active
+The 100 ms fetch stalls (the stream app's p99 of ~200 ms root span -> samples). faust "pauses" a partition only in its own bookkeeping (its active
 set); aiokafka goes on fetching every assigned partition, including the table
 changelogs after recovery, which the worker itself writes to all the time. Those
 records are buffered and never read, and aiokafka sends no new fetch to a broker
@@ -83,9 +110,21 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 
 log = logging.getLogger(__name__)
 
+# distribution -> versions the contract above was checked against (read by the test).
+CHECKED_WITH: dict[str, tuple[str, ...]] = {
+    "faust-streaming": ("0.15.3",),
+    "aiokafka": ("0.14.0",),
+}
+
 FETCH_MAX_WAIT_MS = 20
 FETCH_TIMEOUT_S = 1.0  # how long one getmany waits for records (faust's value)
 IDLE_WAIT_S = 0.1  # no active partition (recovery in progress): look again after this long
+
+
+def read_offsets(consumer: Any) -> tuple[dict[Any, int], dict[Any, int]]:
+    """(last offset handed to a stage, committed offset) per partition of faust's ``consumer``: what
+    consumer lag is measured from (faust keeps both in private dicts; the batch path keeps the first)."""
+    return getattr(consumer, "_read_offset", {}), getattr(consumer, "_committed_offset", {})
 
 
 def fetch_only(consumer: Any, wanted: Collection[Any]) -> None:

@@ -1,4 +1,4 @@
-"""boltstream.streams.settings: defaults and validation naming the field."""
+"""boltstream.streams.core_config: defaults and validation naming the field."""
 
 from __future__ import annotations
 
