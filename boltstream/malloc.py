@@ -38,8 +38,35 @@ def _mallopt() -> Any:
     return fn
 
 
+REPLACEMENTS = ("tcmalloc", "jemalloc")  # allocators boltstream.allocator may preload
+
+
+def replacement_in(maps: str) -> str | None:
+    """The replacement allocator (``tcmalloc``, ``jemalloc``) mapped in a ``/proc/<pid>/maps`` text, or None."""
+    for line in maps.splitlines():
+        name = line.rsplit("/", 1)[-1]
+        for kind in REPLACEMENTS:
+            if name.startswith(f"lib{kind}"):
+                return kind
+    return None
+
+
+def active_allocator() -> str:
+    """``tcmalloc`` or ``jemalloc`` when one serves this process's malloc (preloaded), else ``glibc``."""
+    try:
+        with open("/proc/self/maps") as f:
+            return replacement_in(f.read()) or "glibc"
+    except OSError:
+        return "glibc"
+
+
 def mallopt(param: int, value: int) -> bool:
-    """``mallopt(param, value)``; False where there is no glibc or it refuses the value."""
+    """``mallopt(param, value)``; False where there is no glibc, glibc's malloc is not the one in use
+    (a preloaded allocator ignores glibc's settings), or glibc refuses the value."""
+    allocator = active_allocator()
+    if allocator != "glibc":
+        log.info("malloc is %s in this process: glibc malloc setting %d not applied", allocator, param)
+        return False
     fn = _mallopt()
     if fn is None:
         log.info("no glibc mallopt here: malloc setting %d left as it is", param)
