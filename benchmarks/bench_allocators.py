@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,6 @@ def prefill_inputs(vocab: int, rows: int, seed: int) -> tuple[Any, Any, Any]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One setting, in this process: learner steps, then prefills; times and peaks."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from boltstream import malloc
 
     calls, _, lib = SETTINGS[args.child]
@@ -109,29 +108,35 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model_thread = ThreadPoolExecutor(1)  # the learner loop's single model thread
     trainer = model_thread.submit(make_trainer, cfg).result()
     vocab = vocab_size(trainer.model)
-    step_s = []
+    step_s: list[float] = []
+    step_cpu: list[float] = []
     for step in range(args.steps):
         samples = demo_like_step(vocab, step, args.samples)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model_thread.submit(trainer.step, samples, cfg.lr).result()
         step_s.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
     learner = memory_status()
     model = trainer.model
     model.eval()
     ids, mask, positions = prefill_inputs(vocab, args.prefill_rows, 7)
-    prefill_s = []
+    prefill_s: list[float] = []
+    prefill_cpu: list[float] = []
     with torch.inference_mode():
         for _ in range(args.prefill_repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             out.logits[:, -1, :].float()
             prefill_s.append(time.perf_counter() - t0)
+            prefill_cpu.append(time.process_time() - c0)
             del out
     model_thread.shutdown()
     maps = Path("/proc/self/maps").read_text() if lib else ""
     return {"setting": args.child, "step_seconds": [round(s, 2) for s in step_s],
             "fwd_bwd_s": round(statistics.median(step_s[1:] or step_s), 2),
+            "fwd_bwd_cpu_s": round(statistics.median(step_cpu[1:] or step_cpu), 2),
             "prefill_s": round(statistics.median(prefill_s), 2), "prefill_seconds": [round(s, 2) for s in prefill_s],
+            "prefill_cpu_s": round(statistics.median(prefill_cpu), 2),
             "learner_peak_mb": learner.get("peak_rss_mb"), "peak_mb": memory_status().get("peak_rss_mb"),
             "preloaded": bool(lib) and (f"lib{lib}" in maps), "torch_threads": torch.get_num_threads()}
 
@@ -166,12 +171,23 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict
             out[name] = {"absent": rows[0]["absent"]}
             continue
         s: dict[str, Any] = {}
-        for key in ("fwd_bwd_s", "prefill_s", "learner_peak_mb", "peak_mb"):
+        for key in ("fwd_bwd_cpu_s", "prefill_cpu_s", "fwd_bwd_s", "prefill_s", "learner_peak_mb", "peak_mb"):
             s[key] = round(statistics.median(row[key] for row in rows), 2)
             s[f"{key}_ratio"] = round(statistics.median(r[name][key] / r["glibc"][key] for r in rounds), 3)
-        s["within_5pct_and_peak_ok"] = (s["fwd_bwd_s_ratio"] <= WITHIN and s["prefill_s_ratio"] <= WITHIN
+        s["within_5pct_and_peak_ok"] = (s["fwd_bwd_cpu_s_ratio"] <= WITHIN and s["prefill_cpu_s_ratio"] <= WITHIN
                                         and s["learner_peak_mb"] <= GOAL_LEARNER_PEAK_MB)
         out[name] = s
+    return out
+
+
+def write_json(args: argparse.Namespace, names: list[str], rounds: list[dict[str, dict[str, Any]]]) -> Path:
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "loadavg": os.getloadavg(),
+                               "args": {k: str(v) for k, v in vars(args).items() if k not in ("child", "out")},
+                               "settings": {n: {"mallopt": SETTINGS[n][0], "env": SETTINGS[n][1],
+                                                "preload": SETTINGS[n][2]} for n in names},
+                               "summary": summarise(rounds, names), "rounds": rounds}, indent=2) + "\n")
     return out
 
 
@@ -184,7 +200,9 @@ def main() -> int:
     p.add_argument("--prefill-rows", type=int, default=8)
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"any of {', '.join(SETTINGS)}")
+    p.add_argument("--parallel", type=int, default=1, help="settings run at once (CPU times compare under load)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one setting's process may take")
+    p.add_argument("--out", type=Path, default=RESULTS / "allocators.json", help="where the JSON goes")
     p.add_argument("--child", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -201,35 +219,34 @@ def main() -> int:
             print(f"{lib}: {library_path(lib) or 'ABSENT (not installed): its rows are skipped'}", flush=True)
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
-        row: dict[str, dict[str, Any]] = {}
-        for name in names:
-            row[name] = res = run_one(name, args)
+        order = names[r % len(names):] + names[:r % len(names)]  # each round starts with another setting
+        with ThreadPoolExecutor(args.parallel) as pool:
+            done = dict(zip(order, pool.map(lambda n: run_one(n, args), order), strict=True))
+        for name in order:
+            res = done[name]
             if "absent" in res:
-                print(f"round {r + 1} {name:<17} skipped: {res['absent']}", flush=True)
+                print(f"round {r + 1} {name:<9} skipped: {res['absent']}", flush=True)
                 continue
-            print(f"round {r + 1} {name:<17} fwd+bwd {res['fwd_bwd_s']:6.2f} s (steps {res['step_seconds']})  "
-                  f"prefill {res['prefill_s']:5.2f} s  learner peak {res['learner_peak_mb']:6.0f} MiB  "
-                  f"process peak {res['peak_mb']:6.0f} MiB  load {os.getloadavg()[0]:.1f}", flush=True)
-        rounds.append(row)
+            print(f"round {r + 1} {name:<9} fwd+bwd {res['fwd_bwd_cpu_s']:6.1f} CPU s ({res['fwd_bwd_s']:6.1f} wall, "
+                  f"steps {res['step_seconds']})  prefill {res['prefill_cpu_s']:5.1f} CPU s "
+                  f"({res['prefill_s']:5.1f} wall)  learner peak {res['learner_peak_mb']:5.0f} MiB  "
+                  f"process peak {res['peak_mb']:5.0f} MiB", flush=True)
+        print(f"round {r + 1} done, load {os.getloadavg()[0]:.1f}", flush=True)
+        rounds.append({n: done[n] for n in names})
+        write_json(args, names, rounds)  # after every round: a run cut short keeps what it measured
     summary = summarise(rounds, names)
-    print(f"\nmedians over {args.rounds} rounds; ratios = median of same-round setting / glibc "
-          f"(ok: both times within {WITHIN - 1:.0%} and learner peak <= {GOAL_LEARNER_PEAK_MB:.0f} MiB)")
+    print(f"\nmedians over {args.rounds} rounds; ratios = median of same-round setting / glibc; CPU s = user + "
+          f"system time of the process (ok: both CPU times within {WITHIN - 1:.0%} and learner peak <= {GOAL_LEARNER_PEAK_MB:.0f} MiB)")
     for name, s in summary.items():
         if "absent" in s:
             print(f"{name:<17} skipped: {s['absent']}")
             continue
-        print(f"{name:<17} fwd+bwd {s['fwd_bwd_s']:6.2f} s ({s['fwd_bwd_s_ratio']:.2f}x)  prefill "
-              f"{s['prefill_s']:5.2f} s ({s['prefill_s_ratio']:.2f}x)  learner peak {s['learner_peak_mb']:6.0f} MiB "
-              f"({s['learner_peak_mb_ratio']:.2f}x)  process peak {s['peak_mb']:6.0f} MiB  "
+        print(f"{name:<9} fwd+bwd {s['fwd_bwd_cpu_s']:6.1f} CPU s ({s['fwd_bwd_cpu_s_ratio']:.2f}x; wall "
+              f"{s['fwd_bwd_s_ratio']:.2f}x)  prefill {s['prefill_cpu_s']:5.1f} CPU s ({s['prefill_cpu_s_ratio']:.2f}x; "
+              f"wall {s['prefill_s_ratio']:.2f}x)  learner peak {s['learner_peak_mb']:5.0f} MiB "
+              f"({s['learner_peak_mb_ratio']:.2f}x)  process peak {s['peak_mb']:5.0f} MiB  "
               f"{'ok' if s['within_5pct_and_peak_ok'] else '-'}")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "allocators.json"
-    out.write_text(json.dumps({"machine": platform.platform(), "args": {k: v for k, v in vars(args).items()
-                                                                       if k != "child"},
-                               "settings": {n: {"mallopt": SETTINGS[n][0], "env": SETTINGS[n][1],
-                                                "preload": SETTINGS[n][2]} for n in names},
-                               "summary": summary, "rounds": rounds}, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args, names, rounds)}")
     return 0
 
 
