@@ -84,3 +84,18 @@ def test_a_started_worker_runs_on_tcmalloc_unless_switched_off(tmp_path: Path) -
     finally:
         on.stop_all()
         off.stop_all()
+
+
+@pytest.mark.skipif(TCMALLOC is None, reason="libtcmalloc-minimal4 is not installed on this machine")
+def test_glibc_settings_are_not_applied_under_tcmalloc_and_are_under_glibc() -> None:
+    import subprocess
+    import sys
+
+    code = ("from boltstream.malloc import active_allocator, keep_heap_for_requests\n"
+            "print(active_allocator(), keep_heap_for_requests())")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    on = subprocess.run([sys.executable, "-c", code], env={**env, "LD_PRELOAD": str(TCMALLOC)},
+                        capture_output=True, text=True, timeout=60)
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert on.stdout.split() == ["tcmalloc", "False"], on.stderr
+    assert off.stdout.split() == ["glibc", "True"], off.stderr
