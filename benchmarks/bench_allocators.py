@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +153,15 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--samples", str(args.samples),
            "--model", args.model, "--prefill-rows", str(args.prefill_rows),
            "--prefill-repeats", str(args.prefill_repeats)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # one slow setting must not lose the others' rows
+        return {"setting": name, "failed": f"timed out after {args.timeout:.0f} s"}
     if proc.returncode != 0:
-        raise SystemExit(f"setting {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"setting": name, "failed": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     if lib and not row["preloaded"]:
-        raise SystemExit(f"setting {name}: {env['LD_PRELOAD']} was preloaded but is not in the process's maps")
+        return {"setting": name, "failed": f"{env['LD_PRELOAD']} was preloaded but is not in the process's maps"}
     return row
 
 
@@ -167,13 +170,18 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         rows = [r[name] for r in rounds if name in r]
-        if any("absent" in row for row in rows):
-            out[name] = {"absent": rows[0]["absent"]}
+        absent = [row["absent"] for row in rows if "absent" in row]
+        if absent:
+            out[name] = {"absent": absent[0]}
             continue
-        s: dict[str, Any] = {}
+        good = [r for r in rounds if "failed" not in r.get(name, {"failed": 1}) and "failed" not in r["glibc"]]
+        if not good:
+            out[name] = {"absent": "no round measured it and glibc both"}
+            continue
+        s: dict[str, Any] = {"rounds": len(good)}
         for key in ("fwd_bwd_cpu_s", "prefill_cpu_s", "fwd_bwd_s", "prefill_s", "learner_peak_mb", "peak_mb"):
-            s[key] = round(statistics.median(row[key] for row in rows), 2)
-            s[f"{key}_ratio"] = round(statistics.median(r[name][key] / r["glibc"][key] for r in rounds), 3)
+            s[key] = round(statistics.median(r[name][key] for r in good), 2)
+            s[f"{key}_ratio"] = round(statistics.median(r[name][key] / r["glibc"][key] for r in good), 3)
         s["within_5pct_and_peak_ok"] = (s["fwd_bwd_cpu_s_ratio"] <= WITHIN and s["prefill_cpu_s_ratio"] <= WITHIN
                                         and s["learner_peak_mb"] <= GOAL_LEARNER_PEAK_MB)
         out[name] = s
@@ -201,7 +209,7 @@ def main() -> int:
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"any of {', '.join(SETTINGS)}")
     p.add_argument("--parallel", type=int, default=1, help="settings run at once (CPU times compare under load)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one setting's process may take")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one setting's process may take")
     p.add_argument("--out", type=Path, default=RESULTS / "allocators.json", help="where the JSON goes")
     p.add_argument("--child", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -220,12 +228,16 @@ def main() -> int:
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]  # each round starts with another setting
+        done: dict[str, dict[str, Any]] = {}
         with ThreadPoolExecutor(args.parallel) as pool:
-            done = dict(zip(order, pool.map(lambda n: run_one(n, args), order), strict=True))
+            futures = {pool.submit(run_one, n, args): n for n in order}
+            for fut in as_completed(futures):  # each row as it comes: a run cut short keeps them
+                done[futures[fut]] = res = fut.result()
+                print(f"round {r + 1} {futures[fut]}: {json.dumps(res)}", file=sys.stderr, flush=True)
         for name in order:
             res = done[name]
-            if "absent" in res:
-                print(f"round {r + 1} {name:<9} skipped: {res['absent']}", flush=True)
+            if "absent" in res or "failed" in res:
+                print(f"round {r + 1} {name:<9} skipped: {res.get('absent') or res['failed']}", flush=True)
                 continue
             print(f"round {r + 1} {name:<9} fwd+bwd {res['fwd_bwd_cpu_s']:6.1f} CPU s ({res['fwd_bwd_s']:6.1f} wall, "
                   f"steps {res['step_seconds']})  prefill {res['prefill_cpu_s']:5.1f} CPU s "
