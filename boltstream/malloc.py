@@ -1,4 +1,9 @@
-"""glibc malloc settings a long-running process fixes at start (``mallopt``).
+"""glibc malloc settings a long-running process fixes at start (``mallopt``), for when glibc serves malloc.
+
+The processes boltstream starts (learner, inference worker, stream app) run on tcmalloc where it
+is installed (:mod:`boltstream.allocator` preloads it): these settings are then not applied
+(:func:`mallopt` returns False and logs it), since tcmalloc ignores them and needs none. Without
+tcmalloc they are what keeps memory in check, at a price in compute:
 
 Why: glibc adapts its thresholds to what the process frees, which serves short programs
 well and servers badly. Two cases here:
@@ -10,6 +15,12 @@ well and servers badly. Two cases here:
   default 128 KiB trim threshold, glibc hands such freed memory at the heap's top back to the
   kernel and faults it in again for the next call: measured in ``benchmarks/bench_exporter.py``,
   a 4,000 + 500 token capture cost 62 µs of CPU with the defaults, 40 µs with the heap kept.
+
+The price: setting any of these thresholds also switches off glibc's dynamic mmap threshold, so
+every allocation at or above 128 KiB (``M_MMAP_THRESHOLD``'s start) is a fresh ``mmap`` the
+kernel zero-fills, and for a model's activations that is most of them: a SmolLM2-135M forward +
+backward or a batched prefill took ~1.35-1.55x as long as with glibc's defaults
+(``benchmarks/bench_allocators.py``), which is why tcmalloc is preferred.
 
 A platform without glibc keeps its allocator's behaviour: the functions return False.
 """
@@ -38,8 +49,35 @@ def _mallopt() -> Any:
     return fn
 
 
+REPLACEMENTS = ("tcmalloc", "jemalloc")  # allocators boltstream.allocator may preload
+
+
+def replacement_in(maps: str) -> str | None:
+    """The replacement allocator (``tcmalloc``, ``jemalloc``) mapped in a ``/proc/<pid>/maps`` text, or None."""
+    for line in maps.splitlines():
+        name = line.rsplit("/", 1)[-1]
+        for kind in REPLACEMENTS:
+            if name.startswith(f"lib{kind}"):
+                return kind
+    return None
+
+
+def active_allocator() -> str:
+    """``tcmalloc`` or ``jemalloc`` when one serves this process's malloc (preloaded), else ``glibc``."""
+    try:
+        with open("/proc/self/maps") as f:
+            return replacement_in(f.read()) or "glibc"
+    except OSError:
+        return "glibc"
+
+
 def mallopt(param: int, value: int) -> bool:
-    """``mallopt(param, value)``; False where there is no glibc or it refuses the value."""
+    """``mallopt(param, value)``; False where there is no glibc, glibc's malloc is not the one in use
+    (a preloaded allocator ignores glibc's settings), or glibc refuses the value."""
+    allocator = active_allocator()
+    if allocator != "glibc":
+        log.info("malloc is %s in this process: glibc malloc setting %d not applied", allocator, param)
+        return False
     fn = _mallopt()
     if fn is None:
         log.info("no glibc mallopt here: malloc setting %d left as it is", param)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from boltstream.allocator import child_env
 from boltstream.errors import BoltstreamError
 
 log = logging.getLogger(__name__)
@@ -226,8 +227,12 @@ class Processes:
         return self.log_dir / f"{name}.log"
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """Start ``boltstream <args>`` as ``name`` (its log: ``<log_dir>/<name>.log``)."""
-        return self.start_command(name, [sys.executable, "-m", "boltstream.cli", *args])
+        """Start ``boltstream <args>`` as ``name`` (its log: ``<log_dir>/<name>.log``), with the allocator of
+        :mod:`boltstream.allocator` preloaded where it is installed (learner, worker, stream app)."""
+        argv = [sys.executable, "-m", "boltstream.cli", *args]
+        proc = spawn(name, argv, self.log_path(name), child_env(self.env), die_with_parent=True)
+        self.procs[name] = proc
+        return proc
 
     def start_command(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start any program as ``name`` (an agent run the way its users run it), with ``env`` added."""

@@ -148,6 +148,7 @@ class LearnerConfig:
     poll_ms: int = opt(500, "broker poll timeout")
     # --- memory (learner/memory.py): glibc otherwise raises this threshold as big blocks are freed, and
     # every later activation comes from a heap it keeps: SmolLM2 + LoRA peaked at 4.2 GB instead of 2.3 GB.
+    # Only for glibc's malloc: a learner on tcmalloc (boltstream/allocator.py) ignores it.
     malloc_mmap_threshold_kb: int | None = opt(128, "allocations of at least this many KiB get their own "
                                                     "mmap, returned to the OS when freed (none: glibc's "
                                                     "rising threshold)")

@@ -24,7 +24,8 @@ on ONE dedicated thread: glibc gives each thread its own malloc arena and keeps 
 peak in it, so steps spread over a thread pool held one activation peak per thread
 (SmolLM2 + LoRA: 7.4 GB RSS after the 4th pool thread vs 4.2 GB on one thread).
 What freed memory glibc still keeps on that one thread is bounded by the pinned mmap threshold
-(:mod:`.memory`, set by ``boltstream learn`` at start).
+(:mod:`.memory`, set by ``boltstream learn`` at start) when glibc serves malloc; a learner started
+by ``boltstream train`` / ``demo`` runs on tcmalloc where it is installed (:mod:`boltstream.allocator`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,15 @@ with it pinned, where the step's own saved activations are ~1.15 GB per micro-ba
 Setting the threshold explicitly (``mallopt``) turns the rising off; the same as starting
 the process with ``MALLOC_MMAP_THRESHOLD_=131072``, but it holds however the learner is
 started (CLI, docker compose, a test harness).
+
+Its price: every allocation of 128 KiB or more is then a fresh ``mmap`` the kernel
+zero-fills, and a step's activations are nearly all that big, so a forward+backward took
+~1.4x as long as with glibc's defaults (``benchmarks/bench_allocators.py``). A learner that
+``boltstream train`` / ``demo`` starts therefore runs on tcmalloc where it is installed
+(:mod:`boltstream.allocator` preloads it), which reuses freed blocks from size-classed caches:
+glibc's speed, a peak below the pinned threshold's (docs/learner.md, Memory). Under tcmalloc
+:func:`pin_mmap_threshold` applies nothing (glibc's malloc is not the one in use) and returns
+False; the pin is what keeps a learner on glibc within its memory.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ STATUS_FIELDS = {"VmRSS": "rss_mb", "VmHWM": "peak_rss_mb", "RssAnon": "anon_mb"
 def pin_mmap_threshold(kib: int) -> bool:
     """Serve every allocation of at least ``kib`` KiB with its own mmap, for the rest of the process.
 
-    Returns False (and changes nothing) where the C library is not glibc or refuses the value.
+    Returns False (and changes nothing) where glibc's malloc is not the one in use (no glibc, or
+    tcmalloc / jemalloc preloaded) or glibc refuses the value.
     """
     if not 0 < kib <= GLIBC_MAX_MMAP_THRESHOLD_KB:
         raise ValueError(f"mmap threshold must be 1..{GLIBC_MAX_MMAP_THRESHOLD_KB} KiB, got {kib}")
