@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 from boltstream.errors import BoltstreamError
 from boltstream.schemas.errors import SchemaError
+
+# torch's OpenMP threads spin-wait between parallel regions by default. A boltstream process rarely has
+# the cores to itself (worker, learner, stream app and agents share them; two cores in the demo), and a
+# spinning thread then holds the core its partner needs: a SmolLM2 decode step took 0.9-2.1 s instead of
+# 0.16 s with two threads on a machine loaded by other processes (benchmarks/bench_threads.py). Read by
+# the OpenMP runtime when torch loads, so it is set here, before any sub-command imports torch.
+OMP_WAIT_POLICY = "PASSIVE"
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +53,7 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # a user's own setting wins
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
