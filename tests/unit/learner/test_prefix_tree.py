@@ -134,9 +134,9 @@ def test_packing_counts_unique_tokens_and_keeps_sharers_together() -> None:
     # 17: the unrelated sample opens the second group; 15: b1 too (a1 + a2 are 13 nodes, + b1 = 15)
     assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 17)] == [["a1", "a2", "b1"], ["x"]]
     assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 14)] == [["a1", "a2"], ["b1"], ["x"]]
-    # the mask bound: 13 * 13 = 169 fits, 15 * 15 does not
+    # the mask bound: 13 * 13 = 169 fits, 15 * 15 does not (a1 + a2 + b1, and b1 + x: 12 + 3 nodes)
     assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 100, max_mask_elements=200)] == [
-        ["a1", "a2"], ["b1", "x"]]
+        ["a1", "a2"], ["b1"], ["x"]]
 
 
 def test_a_sample_over_the_budget_gets_a_group_of_its_own() -> None:
