@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 
 import pytest
 import torch
@@ -15,43 +14,10 @@ from boltstream.learner.collate import collate
 from boltstream.learner.config import StepConfig
 from boltstream.learner.prefix_tree import build_tree
 from boltstream.learner.step import accumulate_gradients, runs_tree, sequence_logprobs, train_step
-from boltstream.learner.tiny import tiny_llama
+from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
 from boltstream.learner.tree_step import label_nodes, probe_tree_support, resolve_prefix_tree, tree_problem
 
 VOCAB = 64
-
-
-def agent_samples(seed: int = 0) -> list[dict]:
-    """Samples shaped like an agent's: one system prompt, 2 tasks x 2 attempts, each attempt's
-    second call = first call + response + tool output, one attempt repeated exactly, temperatures
-    per sample (0.7, 1.3, greedy, unrecorded)."""
-    rng = random.Random(seed)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-    def sample(prompt: list[int], response: list[int], advantage: float, temperature: float | None) -> dict:
-        ids = prompt + response
-        mask = [False] * len(prompt) + [True] * len(response)
-        if len(response) > 2:
-            mask[len(prompt) + 1] = False  # an untrained token inside the response
-        return {"token_ids": ids, "prompt_length": len(prompt), "loss_mask": mask,
-                "behaviour_logprobs": [-1.5 if m else 0.0 for m in mask], "advantage": advantage,
-                "loss_weight": 1.0, "temperature": temperature}
-
-    system = toks(9)
-    out = []
-    temps = [0.7, 1.3, 0.0, None]
-    for task in range(2):
-        question = system + toks(4)
-        for attempt in range(2):
-            first = toks(3 + attempt)
-            second_prompt = question + first + toks(2)
-            adv = (-1.0) ** (task + attempt) * (0.5 + attempt)
-            out.append(sample(question, first, adv, temps[(task + attempt) % 4]))
-            out.append(sample(second_prompt, toks(4), adv, temps[(task + attempt + 1) % 4]))
-    out.append(dict(out[0]))  # two identical responses in a group
-    return out
 
 
 def lora(model: torch.nn.Module, targets=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")):
@@ -78,7 +44,7 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_the_samples_share_prefixes() -> None:
-    tree = build_tree([s["token_ids"] for s in agent_samples()])
+    tree = build_tree([s["token_ids"] for s in shared_prefix_samples(VOCAB)])
     assert tree.unique_tokens < 0.6 * tree.total_tokens
 
 
@@ -86,7 +52,7 @@ def test_the_samples_share_prefixes() -> None:
 @pytest.mark.parametrize("variant", ["plain", "tied", "lora", "lora_on_lm_head", "unfused"])
 def test_tree_logprobs_and_gradients_equal_flat(variant: str, attention: str) -> None:
     model = make_model(variant, attention)
-    samples = agent_samples()
+    samples = shared_prefix_samples(VOCAB)
     batch = collate(samples)
     tree = build_tree([s["token_ids"] for s in samples])
     cfg = StepConfig(logprob_chunk_size=7, fused_head=variant != "unfused")
@@ -116,7 +82,7 @@ def test_label_nodes_points_each_label_at_the_node_of_the_token_before_it() -> N
 
 @pytest.mark.parametrize("variant", ["plain", "lora"])
 def test_train_step_is_the_same_with_and_without_prefix_tree(variant: str) -> None:
-    samples = agent_samples(seed=3)
+    samples = shared_prefix_samples(VOCAB, seed=3)
     results = []
     for tree in (False, True):
         model = make_model(variant, "sdpa")
@@ -137,7 +103,7 @@ def test_train_step_is_the_same_with_and_without_prefix_tree(variant: str) -> No
 
 
 def test_zero_advantage_skip_and_normaliser_are_unchanged_by_trees() -> None:
-    samples = agent_samples(seed=4)
+    samples = shared_prefix_samples(VOCAB, seed=4)
     for i, s in enumerate(samples):
         if i % 3:
             s["advantage"] = 0.0
@@ -163,7 +129,7 @@ def test_a_model_without_a_4d_mask_attention_falls_back_to_flat(caplog: pytest.L
     assert cfg.prefix_tree is False and "runs flat" in caplog.text
     # a caller that did not resolve: the step itself checks, logs once, and runs flat
     model.config._attn_implementation = "sdpa"
-    samples = agent_samples()
+    samples = shared_prefix_samples(VOCAB)
     reference = accumulate_gradients(model, samples, StepConfig(prefix_tree=False), backward=False)
     model.config._attn_implementation = "flash_attention_2"
     caplog.clear()
