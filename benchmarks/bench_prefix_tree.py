@@ -7,8 +7,8 @@ Samples of one agent share most of their tokens: the system prompt, the task's q
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
 token of every sample; the tree step (``StepConfig.prefix_tree``) computes each shared prefix once
 per micro-batch. Both steps here run in the same process, one after the other, on the same
-samples and trainer (the demo's learner: ``learner_config()`` of the pipeline), each with its own
-peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_step.py).
+samples and trainer (the demo's learner: ``learner_config()`` of the pipeline) after one untimed
+warm-up step, each with its own peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_step.py).
 
 Shapes:
 
@@ -152,6 +152,8 @@ def main() -> int:
     if not trainer.step_cfg.prefix_tree:
         print("the model cannot run prefix trees (see the log): nothing to compare")
         return 1
+    # the first step pays one-time costs (AdamW's state, allocator growth): not on either side's clock
+    trainer.step(demo_samples(trainer.tokenizer, 1, groups=1, attempts=2), cfg.lr)
     shapes = []
     for shape in args.shape.split(","):
         if shape == "demo":
