@@ -1,7 +1,7 @@
 """Learner step time, flat vs prefix tree, on agent-shaped samples (SmolLM2 + LoRA on CPU, as the demo trains).
 
     .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
-        [--agent-scale 1] [--agent-groups 1] [--agent-budget 8192]
+        [--agent-scale 10] [--agent-groups 1] [--agent-budget N]
 
 Samples of one agent share most of their tokens: the system prompt, the task's question across a
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
@@ -19,9 +19,10 @@ Shapes:
   response + tool message). The demo's micro-batch budget (1,024).
 * ``agent``: a longer agent: a 2,000-token system prompt, 5 turns of 200 tokens (100 tool/user +
   100 response; turn 1's user message is the task, shared by the group), groups of 8, one sample
-  per call. ``--agent-scale S`` divides every length by S (the flat step at full size takes the
-  better part of an hour on a small CPU box); the budget is ``--agent-budget`` unique tokens for
-  the tree and, for the flat path, the same number of rows x padded length.
+  per call. ``--agent-scale S`` divides every length by S (default 10: the flat step at full
+  size, 104,000 tokens, takes hours on a small shared CPU box); the budget is ``--agent-budget``
+  unique tokens for the tree and, for the flat path, the same number of rows x padded length
+  (default: twice the longest sample, rounded up to 1,024s).
 
 Prints per shape the time ratio and unique vs total tokens; JSON to benchmarks/results/prefix_tree.json.
 """
@@ -135,10 +136,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="demo,agent", help="comma-separated: demo, agent")
     ap.add_argument("--steps", type=int, default=1, help="steps per shape, each flat and tree")
-    ap.add_argument("--agent-scale", type=int, default=4, help="divide the agent shape's lengths by this")
+    ap.add_argument("--agent-scale", type=int, default=10, help="divide the agent shape's lengths by this")
     ap.add_argument("--agent-groups", type=int, default=1, help="groups of 8 per agent step")
     ap.add_argument("--agent-budget", type=int, default=None,
-                    help="micro-batch budget of the agent shape (default: its longest sample, rounded up to 1024s)")
+                    help="micro-batch budget of the agent shape (default: twice its longest sample, in 1024s)")
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
