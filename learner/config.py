@@ -53,7 +53,15 @@ class StepConfig:
     # every linear layer, 32 samples of 150-230 tokens: 8.0 GB at 2,048 (43 s a step), 4.2 GB at 1,024
     # (39 s), 2.7 GB at 512 (40 s). Smaller micro-batches cost no speed on CPU. (All measured with glibc's
     # rising mmap threshold, before malloc_mmap_threshold_kb: see docs/learner.md, Memory.)
-    max_tokens_per_micro_batch: int = opt(1024, "micro-batch budget, rows x padded length")
+    # With prefix_tree the same budget counts the trie's nodes (what the decoder computes), so activation
+    # memory per micro-batch stays what it was; the mask (N x N bools, made once per forward) has its own bound.
+    max_tokens_per_micro_batch: int = opt(1024, "micro-batch budget: rows x padded length, or with "
+                                                "--prefix-tree the unique tokens (trie nodes)")
+    prefix_tree: bool = opt(True, "run each micro-batch's samples as one token trie with a tree attention mask: "
+                                  "a prefix shared by samples is computed once (falls back to flat, logged, "
+                                  "where the model's attention takes no 4-D mask)")
+    max_tree_mask_elements: int = opt(16_777_216, "with --prefix-tree: bound on a micro-batch's mask, "
+                                                  "unique tokens squared")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
     pad_token_id: int = opt(0, cli=False)
@@ -65,7 +73,7 @@ class StepConfig:
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGG_MODES:
             raise ConfigError("loss_agg", self.loss_agg, f"one of {', '.join(LOSS_AGG_MODES)}")
-        for name in ("max_tokens_per_micro_batch", "logprob_chunk_size"):
+        for name in ("max_tokens_per_micro_batch", "logprob_chunk_size", "max_tree_mask_elements"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
 

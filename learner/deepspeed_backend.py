@@ -34,7 +34,6 @@ import torch.distributed as dist
 from boltstream.errors import BoltstreamError
 from boltstream.processes import free_port
 
-from .collate import split_by_token_budget
 from .config import LearnerConfig
 from .losses import loss_normaliser
 from .model_setup import (
@@ -49,7 +48,8 @@ from .model_setup import (
     write_backend,
 )
 from .model_setup import save_weights as save_hf_weights
-from .step import StepMetrics, accumulate_gradients, set_lr
+from .step import StepMetrics, accumulate_gradients, plan_micro_batches, runs_tree, set_lr
+from .tree_step import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ def merge_metrics(parts: list[dict[str, Any]], scales: list[float], samples: lis
         is_weight_mean=mean("is_weight_mean"), is_truncated_fraction=mean("is_truncated_fraction"),
         grad_norm=grad_norm, advantage_mean=float(adv.mean()), advantage_std=float(adv.std(unbiased=False)),
         loss_tokens=tokens, input_tokens=input_tokens, samples=len(samples),
+        unique_tokens=sum(p.get("unique_tokens", 0) for p in parts),
         micro_batches=sum(p["micro_batches"] for p in parts), seconds=seconds,
         tokens_per_s=input_tokens / seconds if seconds > 0 else 0.0)
 
@@ -169,7 +170,7 @@ class DeepSpeedTrainer:
                                         load_optimizer_states=True, load_lr_scheduler_states=False)
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
         dist.barrier()  # every rank has read the resume files before rank 0 deletes them
-        self.step_cfg = cfg.step_config(pad_token_id(self.tokenizer))
+        self.step_cfg = resolve_prefix_tree(self.model, cfg.step_config(pad_token_id(self.tokenizer)))
         logger.info("DeepSpeed ZeRO-%d ready on rank %d of %d", cfg.zero_stage, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ rank 0's commands
@@ -210,7 +211,7 @@ class DeepSpeedTrainer:
         total = max(float(totals[0]), 1.0)
         scale = self.world_size * max(local, 1.0) / total  # the step clamps each normaliser at 1 too
         if mine:
-            count = len(split_by_token_budget(mine, self.step_cfg.max_tokens_per_micro_batch))
+            count = len(plan_micro_batches(mine, self.step_cfg, runs_tree(self.engine.module, self.step_cfg)))
             calls = [0]
 
             def backward(loss: torch.Tensor) -> None:

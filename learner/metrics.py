@@ -44,6 +44,7 @@ GAUGES = {
     "grad_norm": "gradient norm before clipping",
     "tokens_per_s": "input tokens per second of step compute",
     "wall_tokens_per_s": "input tokens per second of wall time (waiting for data included)",
+    "unique_tokens": "tokens the decoder computed in the last step (a prefix shared in a micro-batch once)",
 }
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 

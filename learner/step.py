@@ -8,6 +8,12 @@ positions never produce logits. Peak activation memory is therefore bounded by
 floats, independent of the step's size. Models whose head is not a plain ``nn.Linear``
 (LoRA on ``lm_head``, logit soft-capping or scaling) or wrapped models (DDP) fall back to
 the model's own forward and gather log-probs from its logits.
+
+Prefix tree (``StepConfig.prefix_tree``): each micro-batch's samples run as one token trie
+(:mod:`.prefix_tree`, :mod:`.tree_step`), so a prefix that samples share (system prompt, the
+task's question, a previous call) is computed once; each sample then gathers the hidden states
+of its own nodes and everything after the decoder is the flat path's, on the same tensors.
+Micro-batches are then bounded by unique tokens (trie nodes) and mask size.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .collate import Batch, Sample, collate, micro_batches, step_normaliser
+from .collate import Batch, Sample, collate, split_by_token_budget, step_normaliser
 from .config import StepConfig
 from .losses import (
     LossMetrics,
@@ -32,6 +38,8 @@ from .losses import (
     row_temperatures,
     token_logprobs,
 )
+from .prefix_tree import PrefixTree, build_tree, pack_by_unique_tokens
+from .tree_step import label_nodes, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +61,14 @@ class StepMetrics:
     advantage_mean: float
     advantage_std: float
     loss_tokens: int
-    input_tokens: int
+    input_tokens: int  # tokens of the samples run (a shared prefix counts once per sample)
     samples: int
     micro_batches: int
     seconds: float
     tokens_per_s: float
     skipped: bool = False
     zero_advantage_skipped: int = 0  # samples not run: their gradient is exactly 0 (see contributes)
+    unique_tokens: int = 0  # tokens the decoder computed: input_tokens, less what prefix trees shared
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,22 +95,39 @@ def _lm_head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Li
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, batch: Batch, cfg: StepConfig, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: Batch,
+    cfg: StepConfig,
+    with_entropy: bool = False,
+    tree: PrefixTree | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Model log-probs of ``batch.labels`` at trained positions, ``[B, T-1]`` float32
     (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable. Each row is
-    scored at its sample's temperature (``batch.temperatures``), as it was sampled."""
+    scored at its sample's temperature (``batch.temperatures``), as it was sampled.
+
+    With ``tree`` (the trie of ``batch``'s samples, in the same order) the decoder runs once on
+    the trie's nodes instead of the padded rows, and each trained position takes the hidden state
+    of its sample's node; the head, temperatures and outputs are the flat path's."""
     sel = batch.loss_mask
     labels = batch.labels[sel]
     temperatures = batch.temperatures.unsqueeze(1).expand(sel.shape)[sel]
+    if tree is None:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+
+        def trained(states: torch.Tensor) -> torch.Tensor:
+            return states[:, :-1][sel]
+    else:
+        inputs = tree_inputs(model, tree, sel.device)
+        nodes = label_nodes(tree, sel.shape).to(sel.device)[sel]
+
+        def trained(states: torch.Tensor) -> torch.Tensor:
+            return states[0][nodes]
     parts = _lm_head_parts(model) if cfg.fused_head else None
     if parts is not None:
         decoder, head = parts
-        hidden = decoder(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).last_hidden_state
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
         lp, ent = linear_token_logprobs(
-            hidden[:, :-1][sel],
+            trained(hidden),
             head.weight,
             labels,
             bias=head.bias,
@@ -110,8 +136,8 @@ def sequence_logprobs(
             with_entropy=with_entropy,
         )
     else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        picked = logits[:, :-1][sel]
+        logits = model(**inputs, use_cache=False).logits
+        picked = trained(logits)
         divisor = row_temperatures(temperatures, picked.shape[0], picked.device)
         if divisor is not None:
             picked = picked / divisor.unsqueeze(-1)
@@ -123,18 +149,22 @@ def sequence_logprobs(
 
 @torch.no_grad()
 def _reference_logprobs(
-    model: torch.nn.Module, ref_model: torch.nn.Module | None, batch: Batch, cfg: StepConfig
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    batch: Batch,
+    cfg: StepConfig,
+    tree: PrefixTree | None = None,
 ) -> torch.Tensor | None:
     """Frozen-reference log-probs: ``ref_model`` if given, else the peft model with its
     adapters disabled (the base model *is* the reference for LoRA: no second copy)."""
     if ref_model is not None:
-        return sequence_logprobs(ref_model, batch, cfg)[0]
+        return sequence_logprobs(ref_model, batch, cfg, tree=tree if tree_problem(ref_model) is None else None)[0]
     if cfg.kl_coef == 0.0:
         return None
     if not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a ref_model (or a peft model, whose base is the reference)")
     with model.disable_adapter():
-        return sequence_logprobs(model, batch, cfg)[0]
+        return sequence_logprobs(model, batch, cfg, tree=tree)[0]
 
 
 # --------------------------------------------------------------------------- the step
@@ -142,6 +172,30 @@ def _reference_logprobs(
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+_logged_fallbacks: set[str] = set()
+
+
+def runs_tree(model: torch.nn.Module, cfg: StepConfig) -> bool:
+    """Whether steps of ``model`` under ``cfg`` run prefix trees: asked for, and the model's attention
+    takes a 4-D mask (:func:`.tree_step.tree_problem`; the reason it does not is logged once)."""
+    if not cfg.prefix_tree:
+        return False
+    problem = tree_problem(model)
+    if problem is not None and problem not in _logged_fallbacks:
+        _logged_fallbacks.add(problem)
+        logger.warning("prefix-tree training off, the step runs flat: %s", problem)
+    return problem is None
+
+
+def plan_micro_batches(samples: Sequence[Sample], cfg: StepConfig, tree: bool) -> list[list[Sample]]:
+    """The step's micro-batches: tries packed by unique tokens and mask size (``tree``), else rows
+    packed by rows x padded length. One function, so a backend that must know the count in advance
+    (DeepSpeed's accumulation boundary) gets the step's own."""
+    if tree:
+        return pack_by_unique_tokens(samples, cfg.max_tokens_per_micro_batch, cfg.max_tree_mask_elements)
+    return split_by_token_budget(samples, cfg.max_tokens_per_micro_batch)
 
 
 def accumulate_gradients(
@@ -166,22 +220,26 @@ def accumulate_gradients(
         raise ValueError("a step needs at least one sample")
     t0 = time.perf_counter()
     device = _device(model)
-    batches = micro_batches(samples, cfg.max_tokens_per_micro_batch, cfg.pad_token_id)
+    tree = runs_tree(model, cfg)
+    groups = plan_micro_batches(samples, cfg, tree)
+    batches = [collate(g, cfg.pad_token_id) for g in groups]
     normaliser = step_normaliser(batches, cfg.loss_agg)  # over every sample: the update's scale is theirs
     trained = samples
     if cfg.skip_zero_advantage and backward and backward_fn is None:
         trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
         if len(trained) < len(samples):
-            batches = micro_batches(trained, cfg.max_tokens_per_micro_batch, cfg.pad_token_id)
+            groups = plan_micro_batches(trained, cfg, tree)
+            batches = [collate(g, cfg.pad_token_id) for g in groups]
+    trees = [build_tree([s["token_ids"] for s in g]) if tree else None for g in groups]
     total_loss = 0.0
     metrics: LossMetrics | None = None
     entropy_sum = 0.0
     grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
     with grad_ctx:
-        for batch in batches:
+        for batch, trie in zip(batches, trees, strict=True):
             batch = batch.to(device)
-            ref = _reference_logprobs(model, ref_model, batch, cfg)
-            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy)
+            ref = _reference_logprobs(model, ref_model, batch, cfg, trie)
+            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy, tree=trie)
             loss, m = ppo_clip_loss(
                 logprobs,
                 batch.behaviour_logprobs,
@@ -207,6 +265,8 @@ def accumulate_gradients(
     assert metrics is not None
     adv = torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float64)
     input_tokens = sum(b.num_input_tokens for b in batches)
+    unique_tokens = sum(t.unique_tokens if t is not None else b.num_input_tokens
+                        for b, t in zip(batches, trees, strict=True))
     seconds = time.perf_counter() - t0
     tokens = float(metrics.tokens)
     return StepMetrics(
@@ -229,6 +289,7 @@ def accumulate_gradients(
         seconds=seconds,
         tokens_per_s=input_tokens / seconds if seconds > 0 else 0.0,
         zero_advantage_skipped=len(samples) - len(trained),
+        unique_tokens=unique_tokens,
     )
 
 

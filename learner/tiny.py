@@ -13,7 +13,7 @@ from typing import Any
 
 from boltstream.weights.models import tiny_llama
 
-__all__ = ["random_samples", "tiny_llama"]
+__all__ = ["random_samples", "shared_prefix_samples", "tiny_llama"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,4 +60,37 @@ def random_samples(
                 "temperature": None,  # scored at 1.0
             }
         )
+    return out
+
+
+def shared_prefix_samples(vocab_size: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+    """Samples that share prefixes the way an agent's do: one system prompt, 2 tasks x 2 attempts,
+    each attempt's second call = its first call + response + a tool output, one sample repeated
+    exactly; a masked-out token inside longer responses; temperatures per sample (0.7, 1.3, greedy,
+    unrecorded). For prefix-tree tests: their trie has well under half their tokens."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    def sample(prompt: list[int], response: list[int], advantage: float, temperature: float | None) -> dict:
+        ids = prompt + response
+        mask = [False] * len(prompt) + [True] * len(response)
+        if len(response) > 2:
+            mask[len(prompt) + 1] = False
+        return {"token_ids": ids, "prompt_length": len(prompt), "loss_mask": mask,
+                "behaviour_logprobs": [-1.5 if m else 0.0 for m in mask], "advantage": advantage,
+                "loss_weight": 1.0, "temperature": temperature}
+
+    system = toks(9)
+    out = []
+    temperatures = [0.7, 1.3, 0.0, None]
+    for task in range(2):
+        question = system + toks(4)
+        for attempt in range(2):
+            first = toks(3 + attempt)
+            advantage = (-1.0) ** (task + attempt) * (0.5 + attempt)
+            out.append(sample(question, first, advantage, temperatures[(task + attempt) % 4]))
+            out.append(sample(question + first + toks(2), toks(4), advantage, temperatures[(task + attempt + 1) % 4]))
+    out.append(dict(out[0]))  # two identical responses in a group
     return out

@@ -30,6 +30,7 @@ from .model_setup import (
     write_backend,
 )
 from .step import StepMetrics, set_lr, train_step
+from .tree_step import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class TorchTrainer:
             self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location=cfg.device,
                                                       weights_only=False))
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
-        self.step_cfg: StepConfig = cfg.step_config(pad_token_id(tokenizer))
+        self.step_cfg: StepConfig = resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer)))
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
         if lr is not None:

@@ -1,0 +1,181 @@
+"""Learner step time, flat vs prefix tree, on agent-shaped samples (SmolLM2 + LoRA on CPU, as the demo trains).
+
+    .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
+        [--agent-scale 10] [--agent-groups 1] [--agent-budget N]
+
+Samples of one agent share most of their tokens: the system prompt, the task's question across a
+group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
+token of every sample; the tree step (``StepConfig.prefix_tree``) computes each shared prefix once
+per micro-batch. Both steps here run in the same process, one after the other, on the same
+samples and trainer (the demo's learner: ``learner_config()`` of the pipeline) after one untimed
+warm-up step, each with its own peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_step.py).
+
+Shapes:
+
+* ``demo``: the calculator demo's samples, built with the real SmolLM2 tokenizer and chat template
+  from the agent's own prompt (examples/calc/agent.py: system prompt + worked example + the
+  task's question): 4 tasks x 4 attempts, each a 2-call trajectory (``CALC: ...``, then
+  ``ANSWER: ...`` after the ``RESULT:`` tool message; the 2nd call's prompt is the 1st prompt +
+  response + tool message). The demo's micro-batch budget (1,024).
+* ``agent``: a longer agent: a 2,000-token system prompt, 5 turns of 200 tokens (100 tool/user +
+  100 response; turn 1's user message is the task, shared by the group), groups of 8, one sample
+  per call. ``--agent-scale S`` divides every length by S (default 10: the flat step at full
+  size, 104,000 tokens, takes hours on a small shared CPU box); the budget is ``--agent-budget``
+  unique tokens for the tree and, for the flat path, the same number of rows x padded length
+  (default: twice the longest sample, rounded up to 1,024s).
+
+Prints per shape the time ratio and unique vs total tokens; JSON to benchmarks/results/prefix_tree.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_learner_memory import demo_learner_config
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _sample(prompt: list[int], response: list[int], advantage: float) -> dict[str, Any]:
+    mask = [False] * len(prompt) + [True] * len(response)
+    return {"token_ids": prompt + response, "prompt_length": len(prompt), "loss_mask": mask,
+            "behaviour_logprobs": [-1.0 if m else 0.0 for m in mask], "advantage": advantage,
+            "loss_weight": 1.0, "temperature": 0.7}
+
+
+def demo_samples(tokenizer: Any, seed: int, groups: int = 4, attempts: int = 4) -> list[dict[str, Any]]:
+    """The calculator demo's LLM calls: its prompt text through SmolLM2's chat template."""
+    from boltstream.examples.calc.agent import EXAMPLE, SYSTEM, _fmt, evaluate
+    from boltstream.examples.calc.tasks import generate
+
+    rng = random.Random(seed)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for g, task in enumerate(generate(groups, seed, "bench")):
+        messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task["question"]}]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+        for a in range(attempts):
+            x, y = rng.randint(2, 99), rng.randint(2, 99)
+            op = rng.choice("+-*/")
+            result = _fmt(evaluate(f"{x} {op} {y}"))
+            calc = tokenizer.encode(f"CALC: {x} {op} {y}", add_special_tokens=False) + [end]
+            tool = tokenizer.encode(f"\n<|im_start|>user\nRESULT: {result}<|im_end|>\n<|im_start|>assistant\n",
+                                    add_special_tokens=False)
+            answer = tokenizer.encode(f"ANSWER: {result}", add_special_tokens=False) + [end]
+            advantage = (1.0 if (g + a) % 2 else -1.0) * (0.5 + a / 4)
+            out.append(_sample(prompt, calc, advantage))
+            out.append(_sample(prompt + calc + tool, answer, advantage))
+    return out
+
+
+def agent_samples(vocab: int, seed: int, *, scale: int, groups: int, group_size: int = 8,
+                  system: int = 2000, turns: int = 5, turn: int = 200) -> list[dict[str, Any]]:
+    """A multi-turn agent's calls: call k's prompt = system + turns 1..k-1 + turn k's user part."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(max(1, n // scale))]
+
+    shared = toks(system)
+    out = []
+    for g in range(groups):
+        task = toks(turn // 2)
+        for a in range(group_size):
+            context = shared[:]
+            for k in range(turns):
+                user = task if k == 0 else toks(turn // 2)
+                response = toks(turn // 2)
+                out.append(_sample(context + user, response, (1.0 if (g + a) % 2 else -1.0) * (0.5 + a / 8)))
+                context = context + user + response
+    return out
+
+
+def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]], budget: int,
+              steps: int) -> dict[str, Any]:
+    from boltstream.learner.memory import memory_status, reset_peak_rss
+
+    base = trainer.step_cfg
+    rows = []
+    for step in range(steps):
+        row: dict[str, Any] = {"step": step}
+        for variant in ("tree", "flat"):
+            trainer.step_cfg = dataclasses.replace(base, prefix_tree=variant == "tree",
+                                                   max_tokens_per_micro_batch=budget)
+            reset_peak_rss()
+            t0 = time.perf_counter()
+            m = trainer.step(samples, lr)
+            seconds = time.perf_counter() - t0
+            row[variant] = {"seconds": round(seconds, 2), "input_tokens": m.input_tokens,
+                            "unique_tokens": m.unique_tokens, "loss_tokens": m.loss_tokens,
+                            "micro_batches": m.micro_batches,
+                            "peak_rss_mb": round(memory_status().get("peak_rss_mb", float("nan")))}
+        row["ratio"] = round(row["flat"]["seconds"] / row["tree"]["seconds"], 2)
+        rows.append(row)
+        f, t = row["flat"], row["tree"]
+        print(f"{name} step {step}: {len(samples)} samples, {f['input_tokens']} tokens ({t['unique_tokens']} unique, "
+              f"{f['input_tokens'] / t['unique_tokens']:.1f}x); flat {f['seconds']:.1f} s in {f['micro_batches']} "
+              f"micro-batches, peak RSS {f['peak_rss_mb']} MB; tree {t['seconds']:.1f} s in {t['micro_batches']}, "
+              f"peak RSS {t['peak_rss_mb']} MB: tree {row['ratio']:.2f}x faster", flush=True)
+    trainer.step_cfg = base
+    ratios = sorted(r["ratio"] for r in rows)
+    return {"shape": name, "budget": budget, "samples": len(samples), "steps": rows,
+            "median_ratio": ratios[len(ratios) // 2]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="demo,agent", help="comma-separated: demo, agent")
+    ap.add_argument("--steps", type=int, default=1, help="steps per shape, each flat and tree")
+    ap.add_argument("--agent-scale", type=int, default=10, help="divide the agent shape's lengths by this")
+    ap.add_argument("--agent-groups", type=int, default=1, help="groups of 8 per agent step")
+    ap.add_argument("--agent-budget", type=int, default=None,
+                    help="micro-batch budget of the agent shape (default: twice its longest sample, in 1024s)")
+    ap.add_argument("--model", default="smollm2")
+    args = ap.parse_args()
+
+    from boltstream.learner.memory import pin_mmap_threshold
+    from boltstream.learner.model_setup import vocab_size
+    from boltstream.learner.trainer import make_trainer
+
+    cfg = demo_learner_config(args.model, pinned=True)
+    pin_mmap_threshold(cfg.malloc_mmap_threshold_kb)
+    trainer = make_trainer(cfg)
+    if not trainer.step_cfg.prefix_tree:
+        print("the model cannot run prefix trees (see the log): nothing to compare")
+        return 1
+    # the first step pays one-time costs (AdamW's state, allocator growth): not on either side's clock
+    trainer.step(demo_samples(trainer.tokenizer, 1, groups=1, attempts=2), cfg.lr)
+    shapes = []
+    for shape in args.shape.split(","):
+        if shape == "demo":
+            shapes.append(run_shape(trainer, cfg.lr, "demo", demo_samples(trainer.tokenizer, 0),
+                                    cfg.step.max_tokens_per_micro_batch, args.steps))
+        elif shape == "agent":
+            samples = agent_samples(vocab_size(trainer.model), 0, scale=args.agent_scale, groups=args.agent_groups)
+            longest = max(len(s["token_ids"]) for s in samples)
+            budget = args.agent_budget or -(-longest // 1024) * 1024 * 2
+            shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps))
+        else:
+            ap.error(f"unknown shape {shape!r}")
+    for s in shapes:
+        t = s["steps"][0]
+        print(f"learner step, {s['shape']} shape: tree {s['median_ratio']:.2f}x faster than flat "
+              f"({t['flat']['input_tokens']} tokens, {t['tree']['unique_tokens']} unique)")
+    RESULTS.mkdir(exist_ok=True)
+    out = {"benchmark": "prefix_tree", "machine": platform.node(), "args": vars(args), "shapes": shapes}
+    (RESULTS / "prefix_tree.json").write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

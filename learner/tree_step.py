@@ -1,0 +1,133 @@
+"""The model side of prefix-tree training: the decoder's inputs for a trie, and whether a model takes them.
+
+A tree forward runs the decoder once on a micro-batch's trie (:mod:`.prefix_tree`): ``input_ids``
+are the nodes' tokens ``[1, N]``, ``position_ids`` their depths, and ``attention_mask`` the
+tree mask as a 4-D ``[1, 1, N, N]`` tensor. What it relies on in transformers (checked by
+:func:`probe_tree_support` on the real model, and by a unit test on the installed version):
+
+* ``masking_utils.create_causal_mask`` returns a 4-D ``attention_mask`` as it is given (no causal
+  mask is built, no padding mask merged); the model builds it once per forward and hands the same
+  tensor to every layer.
+* ``sdpa`` attention passes it to ``torch.nn.functional.scaled_dot_product_attention``, where a
+  bool mask means "may attend"; ``eager`` attention *adds* it to the scores, so it gets an
+  additive float mask (0 / the dtype's minimum) instead.
+* ``position_ids`` go to the rotary embedding as given.
+
+Other attention implementations (flash-attention-2 takes no dense mask; flex attention wants a
+block mask) are not used: :func:`tree_problem` names why, and the step runs flat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from .config import StepConfig
+from .prefix_tree import PrefixTree, build_tree
+
+logger = logging.getLogger(__name__)
+
+TREE_ATTENTION = ("sdpa", "eager")
+PROBE_TOLERANCE = 1e-3  # a mask that is ignored moves the probe's logits by O(1), rounding by far less
+
+
+def causal_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    config = getattr(causal_model(model), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def tree_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run a tree forward, from its configuration (cheap), or None."""
+    config = getattr(causal_model(model), "config", None)
+    if config is None:
+        return f"{type(model).__name__} has no transformers config"
+    impl = attention_implementation(model)
+    if impl not in TREE_ATTENTION:
+        return f"attention implementation {impl!r} takes no custom 4-D mask (tree needs one of {TREE_ATTENTION})"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    return None
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return causal_model(model).get_input_embeddings().weight.dtype
+
+
+def model_mask(model: torch.nn.Module, tree: PrefixTree, device: torch.device) -> torch.Tensor:
+    """The tree mask as ``model``'s attention takes it: ``[1, 1, N, N]`` bool for sdpa (one byte per
+    element), additive ``0 / min`` in the model's dtype for eager (it adds the mask to the scores)."""
+    mask = tree.attention_mask().to(device)
+    if attention_implementation(model) == "eager":
+        dtype = _dtype(model)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=device)
+        mask = additive.masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def tree_inputs(model: torch.nn.Module, tree: PrefixTree, device: torch.device) -> dict[str, torch.Tensor]:
+    """Keyword arguments of a decoder (or causal LM) forward over ``tree``'s nodes."""
+    return {
+        "input_ids": tree.token_ids.to(device).unsqueeze(0),
+        "position_ids": tree.position_ids.to(device).unsqueeze(0),
+        "attention_mask": model_mask(model, tree, device),
+    }
+
+
+def label_nodes(tree: PrefixTree, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """``[B, T-1]`` long: at label position ``t`` of sample ``b``, the node whose hidden state predicts
+    that label (the node of token ``t``); 0 at padding. Indexing the tree's hidden states with it
+    at the loss mask gives the flat path's ``hidden[:, :-1][loss_mask]`` row for row."""
+    index = torch.zeros(shape, dtype=torch.long)
+    for b, nodes in enumerate(tree.node_index):
+        n = min(nodes.shape[0] - 1, shape[1])
+        index[b, :n] = nodes[:n]
+    return index
+
+
+@torch.no_grad()
+def probe_tree_support(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run a tree forward, or None: :func:`tree_problem`, then a forward of
+    three nodes ``a -> b, a -> c`` compared with the plain sequence ``a c``. An attention that
+    ignores the mask lets ``c`` see ``b`` and fails the comparison; one that rejects it raises."""
+    problem = tree_problem(model)
+    if problem is not None:
+        return problem
+    vocab = int(causal_model(model).get_input_embeddings().num_embeddings)
+    a, b, c = (1 % vocab, 2 % vocab, 3 % vocab)
+    tree = build_tree([[a, b], [a, c]])
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        tree_logits = model(**tree_inputs(model, tree, device), use_cache=False).logits[0]
+        flat_logits = model(input_ids=torch.tensor([[a, c]], device=device), use_cache=False).logits[0]
+    except Exception as exc:  # any failure means: run flat
+        return f"a forward with a 4-D tree mask failed: {type(exc).__name__}: {exc}"
+    finally:
+        model.train(was_training)
+    node_c = int(tree.node_index[1][1])
+    diff = float((tree_logits[node_c].float() - flat_logits[1].float()).abs().max())
+    scale = max(1.0, float(flat_logits[1].float().abs().max()))
+    if diff > PROBE_TOLERANCE * scale:
+        return f"the model ignores a custom 4-D attention mask (probe logits differ by {diff:.3g})"
+    return None
+
+
+def resolve_prefix_tree(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
+    """``cfg`` as ``model`` can run it: with ``prefix_tree`` turned off (logged once, with the reason)
+    when :func:`probe_tree_support` finds a problem. Called once when a trainer is built."""
+    if not cfg.prefix_tree:
+        return cfg
+    problem = probe_tree_support(model)
+    if problem is None:
+        logger.info("prefix-tree training on (%s attention)", attention_implementation(model))
+        return cfg
+    logger.warning("prefix-tree training off, the step runs flat: %s", problem)
+    return dataclasses.replace(cfg, prefix_tree=False)
