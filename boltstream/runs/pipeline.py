@@ -23,6 +23,7 @@ from typing import Any
 
 from boltstream.config import Settings, load, to_argv
 from boltstream.errors import BoltstreamError
+from boltstream.inference.cli import ServeConfig
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.roles import Role, parse_role
@@ -30,6 +31,11 @@ from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
 
 log = logging.getLogger(__name__)
+
+# Sequences the inference worker decodes together (``serve --max-batch-size``, its default). Agents and
+# evaluation attempts run this many at a time: one wave of rollouts fills one decode batch, where half as
+# many took two waves of the same per-step cost on CPU.
+CONCURRENT_AGENTS = next(f.default for f in dataclasses.fields(ServeConfig) if f.name == "max_batch_size")
 
 # The name the worker serves and the learner publishes checkpoints under; agents ask for it.
 MODEL_NAME = "policy"
@@ -59,7 +65,7 @@ class PipelineConfig:
     group_size: int | None = None  # runner and stream app (default: theirs, DEFAULT_GROUP_SIZE)
     steps: int = 8
     time_budget_s: float = 840.0
-    runner_workers: int = 8
+    runner_workers: int = CONCURRENT_AGENTS
     eval_samples: int = 2
     eval_tasks: int | None = None
     # Runner pacing: at most this many tasks per served policy version (None: run ahead freely).
@@ -226,7 +232,7 @@ def mean_and_se(per_task: list[float]) -> tuple[float, float]:
 
 
 def evaluate(agent_fn: Callable[..., Any], tasks: list[dict[str, Any]], base_url: str, samples: int,
-             threads: int = 8, on_attempt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+             threads: int = CONCURRENT_AGENTS, on_attempt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Held-out score: mean reward per task over ``samples`` attempts, then mean and SE over tasks.
 
     ``on_attempt(done, total)`` is called as each attempt finishes (a run's progress lines).
