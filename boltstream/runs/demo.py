@@ -50,7 +50,10 @@ def main(argv: list[str]) -> int:
     groups_per_step = int(args.groups_per_step or 4)
     group_size = args.group_size or 4
     tasks_per_version = args.tasks_per_version or groups_per_step
-    stream: dict[str, Any] = {"call_credit": "episode", "air_rules_file": CALC_AIR_RULES}
+    # A runner's rollout has every span in the log before its root span (the worker acks each LLM span
+    # before it answers; the runner exports the tool spans ahead of the root), so the wait for late spans
+    # after the root can be short: each step waits for it once.
+    stream: dict[str, Any] = {"call_credit": "episode", "air_rules_file": CALC_AIR_RULES, "grace_s": 1.0}
     zero_code: dict[str, Any] = {}
     if args.zero_code:  # attempts at one question share its first prompt: the stream app groups them by it
         stream["prompt_window_s"] = 600.0
