@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from boltstream.metrics_server import MetricsServer
 from boltstream.tracking import Trackers
 
 from .groups import StepInput
@@ -116,18 +117,16 @@ class MetricsSink:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
         self.model_name = model_name
-        self.registry: Any = None
         self._dropped_seen: dict[str, int] | None = None
-        self.port: int | None = None
-        self._server: Any = None
+        self._endpoint = MetricsServer()
+        self.registry = self._endpoint.registry
         self._build_prometheus()
-        if port is not None:
-            self._serve(host, port)
+        self.port = self._endpoint.serve(host, port) if port is not None else None
 
     def _build_prometheus(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
-        r = self.registry = CollectorRegistry()  # private: several learners (tests) in one process
+        r = self.registry
         label = ["model"]
         self._gauges = {k: Gauge(f"boltstream_learner_{k}", h, label, registry=r) for k, h in GAUGES.items()}
         self._step = Gauge("boltstream_learner_step", "learner steps taken", label, registry=r)
@@ -140,13 +139,6 @@ class MetricsSink:
         self._checkpoints = Counter("boltstream_learner_checkpoints", "checkpoints published", label, registry=r)
         self._staleness = Histogram("boltstream_learner_sample_staleness", "policy versions behind, per sample",
                                     label, buckets=STALENESS_BUCKETS, registry=r)
-
-    def _serve(self, host: str, port: int) -> None:
-        from prometheus_client import start_http_server
-
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one JSON line and flush it to the OS (survives a SIGKILL of this process)."""
@@ -194,10 +186,7 @@ class MetricsSink:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._endpoint.close()
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

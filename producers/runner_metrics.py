@@ -13,9 +13,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from boltstream.metrics_server import MetricsServer
 
 from .exporter_metrics import observations
 
@@ -25,11 +27,12 @@ log = logging.getLogger(__name__)
 STATUSES = ("ok", "failed", "timeout", "cancelled")
 
 
-class RunnerMetrics:
+class RunnerMetrics(MetricsServer):
     """Attempts running and ended by status, tasks started, tasks retried elsewhere, undecodable tasks."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        super().__init__()
+        r = self.registry
         self.running = Gauge("boltstream_runner_attempts_running", "agent attempts running now", registry=r)
         self.attempts = Counter("boltstream_runner_attempts_total", "agent attempts ended, by status",
                                 ["status"], registry=r)
@@ -42,25 +45,10 @@ class RunnerMetrics:
                                "(same attempt ids)", registry=r)
         self.dead_letters = Counter("boltstream_runner_dead_letters_total", "undecodable tasks dead-lettered",
                                     registry=r)
-        self.port: int | None = None
-        self._server: Any = None
 
     def watch_exporter(self, exporter: Any) -> None:
         """Report ``exporter``'s counters (read at each scrape from its consistent snapshot)."""
         self.registry.register(_ExporterCollector(exporter))
-
-    def serve(self, host: str, port: int) -> int:
-        """Start ``/metrics`` on ``host:port`` (0: any free port); returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
-        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _ExporterCollector(Collector):

@@ -18,9 +18,11 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from boltstream.metrics_server import MetricsServer
 
 from .faust_internals import read_offsets
 
@@ -66,38 +68,23 @@ def consumer_lag(consumer: Any, topics: Iterable[str]) -> dict[tuple[str, int], 
     return out
 
 
-class StreamMetrics:
+class StreamMetrics(MetricsServer):
     """The registry of one stream worker; :meth:`refresh` from the loop, :meth:`serve` once."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         self.save_seconds = Histogram(
             "boltstream_stream_changelog_save_seconds",
             "one batch's writes of a stage to its changelog, sent to acknowledged", ["stage"],
             buckets=SAVE_BUCKETS, registry=self.registry)
         self.snapshot = Snapshot()
         self.registry.register(_SnapshotCollector(self))
-        self.port: int | None = None
-        self._server: Any = None
 
     def refresh(self, counters: Mapping[str, int], lag: Mapping[tuple[str, int], int]) -> None:
         self.snapshot = Snapshot(dict(counters), dict(lag))
 
     def observe_save(self, stage: str, seconds: float) -> None:
         self.save_seconds.labels(stage).observe(seconds)
-
-    def serve(self, host: str, port: int) -> int:
-        """Start ``/metrics`` on ``host:port`` (0: any free port); returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
-        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _SnapshotCollector(Collector):
