@@ -19,9 +19,9 @@ from boltstream.runs.train import add_arguments, config_from_args, print_summary
 
 log = logging.getLogger(__name__)
 
-# A cap, not a target: the demo ends after its 8 steps. On 2 shared cores one step takes 60-130 s wall
-# (generation + learning) and each held-out evaluation 2-8 minutes, so 15 minutes cut training after
-# 3-4 steps; 25 leave room for all 8 on a machine that is not otherwise busy.
+# A cap, not a target: the demo ends after its 8 steps, ~6 minutes on 2 quiet cores (a step ~25 s of
+# generation and learning, each held-out evaluation ~1-1.5 minutes). A busy machine can take several
+# times that; the cap only stops a run that would otherwise go on for an hour.
 DEMO_TIME_BUDGET_S = 1500.0
 
 CALC_AGENT = "boltstream.examples.calc.agent:solve"
@@ -42,9 +42,8 @@ def main(argv: list[str]) -> int:
     train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    # Sized for 15 minutes on 2 CPU cores, evaluation included: 8 steps of 4 groups x 4, lr 1e-3 on every
-    # linear layer's adapter after the learner's 3-step warmup, no std division: four seeds went
-    # 0.25 -> 0.77 held-out (README). Every call of a rollout shares its advantage: the calculator's AIR
+    # 8 steps of 4 groups x 4, lr 1e-3 on every linear layer's adapter after the learner's 3-step warmup,
+    # no std division (README, docs/results.md). Every call of a rollout shares its advantage: the calculator's AIR
     # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
     # returns (streams/credit.py).
     groups_per_step = int(args.groups_per_step or 4)
