@@ -19,8 +19,10 @@ from boltstream.runs.train import add_arguments, config_from_args, print_summary
 
 log = logging.getLogger(__name__)
 
-# A cap, not a target: the demo ends after its 8 steps, ~6 minutes on 2 quiet cores (a step ~25 s of
-# generation and learning, each held-out evaluation ~1-1.5 minutes). A busy machine can take several
+# Learner steps: on 2 quiet cores a step is ~22 s of generation and learning and each held-out evaluation
+# ~1-1.5 minutes, so 12 steps end within 6 minutes; 8 steps learned less (docs/results.md).
+DEMO_STEPS = 12
+# A cap, not a target: the demo ends after its steps. A busy machine can take several
 # times that; the cap only stops a run that would otherwise go on for an hour.
 DEMO_TIME_BUDGET_S = 1500.0
 
@@ -42,7 +44,7 @@ def main(argv: list[str]) -> int:
     train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    # 8 steps of 4 groups x 4, lr 1e-3 on every linear layer's adapter after the learner's 3-step warmup,
+    # 12 steps of 4 groups x 4, lr 1e-3 on every linear layer's adapter after the learner's 3-step warmup,
     # no std division (README, docs/results.md). Every call of a rollout shares its advantage: the calculator's AIR
     # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
     # returns (streams/credit.py).
@@ -62,7 +64,7 @@ def main(argv: list[str]) -> int:
             "--tasks-per-version", str(tasks_per_version))
     cfg = config_from_args(
         args, Path("out/demo"), agent=CALC_AGENT, train=data / "train.jsonl",
-        test=data / "test.jsonl", steps=args.steps or 8, group_size=group_size,
+        test=data / "test.jsonl", steps=args.steps or DEMO_STEPS, group_size=group_size,
         eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
         time_budget_s=args.time_budget or DEMO_TIME_BUDGET_S,
         # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
