@@ -19,9 +19,10 @@ from boltstream.runs.train import add_arguments, config_from_args, print_summary
 
 log = logging.getLogger(__name__)
 
-# Learner steps: on 2 quiet cores a step is ~22 s of generation and learning and each held-out evaluation
-# ~1-1.5 minutes, so 12 steps end within 6 minutes; 8 steps learned less (docs/results.md).
-DEMO_STEPS = 12
+# Learner steps: on 2 quiet cores a step is 15-30 s of generation and learning (more as the policy learns
+# to make both calls) and each held-out evaluation ~1-1.5 minutes: 8 steps end within 6 minutes. 12 steps
+# took 474 s and learned no more on seed 0 (docs/results.md).
+DEMO_STEPS = 8
 # A cap, not a target: the demo ends after its steps. A busy machine can take several
 # times that; the cap only stops a run that would otherwise go on for an hour.
 DEMO_TIME_BUDGET_S = 1500.0
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    # 12 steps of 4 groups x 4, lr 1e-3 on every linear layer's adapter after the learner's 3-step warmup,
+    # 8 steps of 4 groups x 4, lr 1e-3 on every linear layer's adapter after the learner's 3-step warmup,
     # no std division (README, docs/results.md). Every call of a rollout shares its advantage: the calculator's AIR
     # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
     # returns (streams/credit.py).

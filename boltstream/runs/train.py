@@ -57,7 +57,7 @@ STREAM_SETTINGS = ("call_credit", "std_normalize", "agent_match", "air_rules_fil
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--steps", type=int, default=None, help="learner steps to train (default 8; the demo: 12)")
+    a("--steps", type=int, default=None, help="learner steps to train (default 8)")
     a("--time-budget", type=float, default=None, help="seconds for the whole run, evaluation included")
     a("--out", type=Path, default=None, help="output folder")
     a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
