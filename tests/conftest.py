@@ -26,7 +26,12 @@ from typing import Any
 
 import pytest
 
+from boltstream.cli import OMP_WAIT_POLICY
 from boltstream.config import Settings
+
+# Two pytest workers share two cores with the processes the integration tests start: torch's OpenMP
+# threads in this process sleep when they wait, as in every boltstream process (boltstream/cli.py).
+os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 
 INTEGRATION_DIR = Path(__file__).parent / "integration"
 
