@@ -39,13 +39,19 @@ Answer = tuple[list[int], list[float]]
 
 
 def _probe(http: httpx.Client, adapter: str) -> Answer:
-    """A greedy, uncaptured answer of one adapter: token ids and logprobs (compared bitwise)."""
+    """A greedy, uncaptured answer of one adapter: token ids and logprobs (compared with :func:`_same`)."""
     r = http.post("/v1/chat/completions", headers={"X-Boltstream-Capture": "off"},
                   json={"model": adapter, "messages": PROBE, "max_tokens": 12, "temperature": 0, "logprobs": True,
                         "return_token_ids": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
+
+def _same(a: Answer, b: Answer) -> bool:
+    """The same answer: equal ids, log-probs within 1e-4 (a repeated probe's prompt is prefilled from the
+    worker's prefix cache, whose KV equals a fresh prefill's up to rounding)."""
+    return a[0] == b[0] and all(abs(x - y) <= 1e-4 for x, y in zip(a[1], b[1], strict=True))
 
 
 def _probes(http: httpx.Client) -> dict[str, Answer]:
@@ -131,7 +137,8 @@ def test_each_role_trains_only_its_adapter_and_the_frozen_role_never(
         boltstream_cmd: list[str]) -> None:
     with _pipeline(settings, settings_env, tmp_path, boltstream_cmd) as (http, provider):
         base = _probes(http)
-        assert base["writer"] == base["checker"] == base["frozen"], "every adapter starts at the base weights"
+        assert _same(base["writer"], base["checker"]) and _same(base["writer"], base["frozen"]), \
+            "every adapter starts at the base weights"
         assert len(base["writer"][0]) > 3
         _traffic(http, provider, "t0")
         _traffic(http, provider, "t1")
@@ -144,8 +151,8 @@ def test_each_role_trains_only_its_adapter_and_the_frozen_role_never(
         assert writer_dropped == {"other_role": 4}
         _wait_version(http, "writer", 1)
         after_writer = _probes(http)
-        assert after_writer["writer"] != base["writer"]
-        assert after_writer["checker"] == base["checker"] and after_writer["frozen"] == base["frozen"]
+        assert not _same(after_writer["writer"], base["writer"])
+        assert _same(after_writer["checker"], base["checker"]) and _same(after_writer["frozen"], base["frozen"])
 
         _traffic(http, provider, "t2")  # spans now show writer v1 next to checker and frozen v0
         roles_of = _batches(settings, 3)
@@ -156,8 +163,9 @@ def test_each_role_trains_only_its_adapter_and_the_frozen_role_never(
         assert len(checker_ids) == 6 and checker_dropped == {"other_role": 6}
         _wait_version(http, "checker", 1)
         after_checker = _probes(http)
-        assert after_checker["checker"] not in (base["checker"], after_writer["writer"])
-        assert after_checker["writer"] == after_writer["writer"] and after_checker["frozen"] == base["frozen"]
+        assert not _same(after_checker["checker"], base["checker"])
+        assert not _same(after_checker["checker"], after_writer["writer"])
+        assert _same(after_checker["writer"], after_writer["writer"]) and _same(after_checker["frozen"], base["frozen"])
         health = http.get("/health").json()["adapters"]
         assert {r: health[r]["policy_version"] for r in ROLES} == {"writer": 1, "checker": 1, "frozen": 0}
         assert health["frozen"]["reloads"] == 0

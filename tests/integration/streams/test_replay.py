@@ -173,7 +173,9 @@ async def test_replay_with_new_settings_matches_the_reference_and_leaves_the_liv
 
 async def test_a_replay_killed_half_way_and_run_again_writes_what_an_uninterrupted_one_does(
         settings: Settings, settings_env: dict[str, str], run_cli, tmp_path: Path) -> None:
-    rollouts = make_workload(200, GROUP, seed=9, run=settings.namespace)  # ~6,000 spans, 24 rollouts at a time
+    # ~18,000 spans, 24 rollouts at a time: long enough that a loaded machine still sees the first batch
+    # record before the replay has written them all
+    rollouts = make_workload(600, GROUP, seed=9, run=settings.namespace)
     spans_topic = settings.topic("spans")
     await produce(settings, spans_topic, interleaved_spans(Codec(), spans_topic, rollouts, width=24))
     args = ("--grace-s", "0", "--group-size", str(GROUP))  # close at the root: output flows from the start
