@@ -11,10 +11,16 @@ relying on:
   of shape ``[batch, kv_heads, seq, head_dim]``;
 * ``DynamicCache(ddp_cache_data)`` builds a cache from ``(keys, values)`` per layer, and
   ``DynamicCache(config=...)`` the empty cache of a model, with its layer types;
-* ``Cache.batch_select_indices(indices)`` narrows every layer to some rows.
+* ``Cache.batch_select_indices(indices)`` narrows every layer to some rows;
+* for the learner's shared prefix (``boltstream.learner.shared_prefix``), with
+  gradients on: the ``keys``/``values`` a forward leaves in the cache are the
+  attention's own tensors in the autograd graph (not detached copies), and a
+  cache built from tensors that require grad passes their gradient back (the
+  next forward's ``DynamicLayer.update`` concatenates onto them).
 
-:func:`check_api` checks all three on a real forward pass; a unit test calls it,
-so another transformers version that changes them fails there, naming this module.
+:func:`check_api` checks the first three on a real forward pass and
+:func:`check_gradient_api` the last; unit tests call them, so another
+transformers version that changes them fails there, naming this module.
 """
 
 from __future__ import annotations
@@ -86,3 +92,27 @@ def check_api(model: Any) -> None:
         select_rows(resumed.past_key_values, torch.tensor([1]))
         if [k.shape[0] for k, _ in layers_of(resumed.past_key_values)] != [1] * n_layers:
             raise fail("Cache.batch_select_indices did not narrow every layer")
+
+
+def check_gradient_api(model: Any) -> None:
+    """Raise RuntimeError, naming the installed transformers, unless a forward resumed from a cache of
+    leaf tensors gives them the gradient that the full forward gives its own keys/values."""
+    import torch
+    import transformers
+
+    def fail(what: str) -> RuntimeError:
+        return RuntimeError(f"transformers {transformers.__version__}: {what}; "
+                            "boltstream.inference.kv_cache was written against transformers 5.x")
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.enable_grad():
+        prefix = model(input_ids=ids[:, :2], use_cache=True)
+        kept = layers_of(prefix.past_key_values)
+        if not all(k.requires_grad and v.requires_grad for k, v in kept):
+            raise fail("the cache's keys/values are not in the autograd graph of the forward")
+        leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kept]
+        resumed = model(input_ids=ids[:, 2:], position_ids=torch.tensor([[2, 3]]), past_key_values=make_cache(leaves),
+                        use_cache=False)
+        resumed.logits.sum().backward()
+        if any(k.grad is None or v.grad is None or not bool(k.grad.abs().sum() > 0) for k, v in leaves):
+            raise fail("a forward resumed from a cache of leaf tensors gave them no gradient")

@@ -62,6 +62,10 @@ class StepConfig:
                                   "where the model's attention takes no 4-D mask)")
     max_tree_mask_elements: int = opt(16_777_216, "with --prefix-tree: bound on a micro-batch's mask, "
                                                   "unique tokens squared")
+    shared_prefix_min_tokens: int = opt(64, "with --prefix-tree: a prefix that every sample of the step starts "
+                                            "with, before any loss token, of at least this many tokens, runs once "
+                                            "per step and every micro-batch attends to its cached keys/values "
+                                            "(0: off)")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
     pad_token_id: int = opt(0, cli=False)
@@ -76,6 +80,8 @@ class StepConfig:
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_size", "max_tree_mask_elements"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.shared_prefix_min_tokens < 0:
+            raise ConfigError("shared_prefix_min_tokens", self.shared_prefix_min_tokens, "must be >= 0")
 
 
 # Every linear layer of the decoder (attention and MLP): with it at lr 1e-3 a bare loop lifted the

@@ -47,17 +47,23 @@ class PrefixTree:
         """Nodes: the tokens a tree forward computes."""
         return int(self.token_ids.shape[0])
 
-    def attention_mask(self) -> torch.Tensor:
-        """``[N, N]`` bool, ``[i, j]`` true iff node ``j`` is an ancestor of node ``i`` or ``i`` itself."""
-        return ancestor_mask(self.subtree_end)
+    def attention_mask(self, prefix_length: int = 0) -> torch.Tensor:
+        """``[N, prefix_length + N]`` bool: every node sees the ``prefix_length`` tokens of a shared
+        prefix computed before the trie (:func:`shared_prefix_length`), then ``[i, P + j]`` is true iff
+        node ``j`` is an ancestor of node ``i`` or ``i`` itself."""
+        return ancestor_mask(self.subtree_end, prefix_length)
 
 
-def ancestor_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(subtree_end: torch.Tensor, prefix_length: int = 0) -> torch.Tensor:
     """The tree attention mask of pre-order numbered nodes from their subtree ends (one comparison
-    per element: ``j <= i < subtree_end[j]``), ``[N, N]`` bool."""
+    per element: ``j <= i < subtree_end[j]``), ``[N, prefix_length + N]`` bool, all true over the
+    prefix columns."""
     n = subtree_end.shape[0]
     index = torch.arange(n, device=subtree_end.device)
-    return (index.unsqueeze(0) <= index.unsqueeze(1)) & (index.unsqueeze(1) < subtree_end.unsqueeze(0))
+    tree = (index.unsqueeze(0) <= index.unsqueeze(1)) & (index.unsqueeze(1) < subtree_end.unsqueeze(0))
+    if not prefix_length:
+        return tree
+    return torch.cat([torch.ones(n, prefix_length, dtype=torch.bool, device=tree.device), tree], dim=1)
 
 
 def _ids(sequence: Any) -> torch.Tensor:
@@ -69,6 +75,35 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     m = min(a.shape[0], b.shape[0])
     differ = torch.nonzero(a[:m] != b[:m])
     return int(differ[0, 0]) if differ.numel() else m
+
+
+def first_trained_position(loss_mask: Any) -> int:
+    """Index of a sample's first loss token (``loss_mask[t]``, t >= 1: token 0 has nothing before it
+    to predict it), or its length when none is trained."""
+    mask = as_tensor(loss_mask, torch.bool).bool()
+    trained = torch.nonzero(mask[1:])
+    return int(trained[0, 0]) + 1 if trained.numel() else int(mask.shape[0])
+
+
+def shared_prefix_length(samples: Sequence[Sample], min_tokens: int) -> int:
+    """Length ``P`` of the token prefix that every sample of ``samples`` starts with and whose hidden
+    states no loss needs, or 0 when shorter than ``min_tokens`` (or ``min_tokens`` is 0, or fewer
+    than two samples share it).
+
+    The loss on token ``t`` reads the hidden state at ``t - 1``, which the trie after the prefix
+    must compute (each sample gathers its log-probs from its own nodes), so ``P`` stops one token
+    before every sample's first loss token: ``P <= first_trained_position - 1``. That also leaves
+    every sample at least one token after ``P``."""
+    if min_tokens <= 0 or len(samples) < 2:
+        return 0
+    ids = [_ids(s["token_ids"]) for s in samples]
+    length = min(first_trained_position(s["loss_mask"]) - 1 for s in samples)
+    first = ids[0]
+    for other in ids[1:]:
+        length = min(length, common_prefix(first, other))
+        if length < min_tokens:
+            return 0
+    return length if length >= min_tokens else 0
 
 
 def lexicographic_order(sequences: Sequence[Any]) -> list[int]:
@@ -134,14 +169,15 @@ def subtree_ends(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 def pack_by_unique_tokens(samples: Sequence[Sample], max_unique_tokens: int,
-                          max_mask_elements: int | None = None) -> list[list[Sample]]:
+                          max_mask_elements: int | None = None, prefix_length: int = 0) -> list[list[Sample]]:
     """Micro-batches for tree forwards: samples in lexicographic order (sharers side by side), a new
     group whenever adding the next would take the group's trie past ``max_unique_tokens`` nodes or
-    its mask past ``max_mask_elements`` (N * N). A sample that alone exceeds a budget gets a group
-    of its own, as in the flat packing."""
+    its mask past ``max_mask_elements`` (N * (prefix_length + N)). A sample that alone exceeds a
+    budget gets a group of its own, as in the flat packing. With ``prefix_length`` the tries are of
+    the samples' tokens after that shared prefix (computed once, outside every micro-batch)."""
     if max_unique_tokens <= 0:
         raise ValueError(f"max_unique_tokens must be positive, got {max_unique_tokens}")
-    ids = [_ids(s["token_ids"]) for s in samples]
+    ids = [_ids(s["token_ids"])[prefix_length:] for s in samples]
     order = lexicographic_order([t.tolist() for t in ids])
     groups: list[list[Sample]] = []
     current: list[Sample] = []
@@ -150,7 +186,8 @@ def pack_by_unique_tokens(samples: Sequence[Sample], max_unique_tokens: int,
     for i in order:
         shared = common_prefix(previous, ids[i]) if current and previous is not None else 0
         grown = nodes + ids[i].shape[0] - shared
-        over = grown > max_unique_tokens or (max_mask_elements is not None and grown * grown > max_mask_elements)
+        over = grown > max_unique_tokens or (max_mask_elements is not None
+                                             and grown * (prefix_length + grown) > max_mask_elements)
         if current and over:
             groups.append(current)
             current, nodes, shared = [], 0, 0

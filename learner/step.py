@@ -13,7 +13,11 @@ Prefix tree (``StepConfig.prefix_tree``): each micro-batch's samples run as one 
 (:mod:`.prefix_tree`, :mod:`.tree_step`), so a prefix that samples share (system prompt, the
 task's question, a previous call) is computed once; each sample then gathers the hidden states
 of its own nodes and everything after the decoder is the flat path's, on the same tensors.
-Micro-batches are then bounded by unique tokens (trie nodes) and mask size.
+Micro-batches are then bounded by unique tokens (trie nodes) and mask size. A prefix that every
+sample of the step shares (``StepConfig.shared_prefix_min_tokens``: the system prompt) runs once
+per step instead of once per micro-batch (:mod:`.shared_prefix`): the tries hold the tokens after
+it and attend to its cached keys/values, whose gradient goes back through it after the last
+micro-batch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .collate import Batch, Sample, collate, split_by_token_budget, step_normaliser
+from .collate import Batch, Sample, as_tensor, collate, split_by_token_budget, step_normaliser
 from .config import StepConfig
 from .losses import (
     LossMetrics,
@@ -38,7 +42,8 @@ from .losses import (
     row_temperatures,
     token_logprobs,
 )
-from .prefix_tree import PrefixTree, build_tree, pack_by_unique_tokens
+from .prefix_tree import PrefixTree, build_tree, pack_by_unique_tokens, shared_prefix_length
+from .shared_prefix import SharedPrefix, prefixed_inputs, shared_prefix_problem
 from .tree_step import label_nodes, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
@@ -100,6 +105,7 @@ def sequence_logprobs(
     cfg: StepConfig,
     with_entropy: bool = False,
     tree: PrefixTree | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Model log-probs of ``batch.labels`` at trained positions, ``[B, T-1]`` float32
     (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable. Each row is
@@ -107,7 +113,9 @@ def sequence_logprobs(
 
     With ``tree`` (the trie of ``batch``'s samples, in the same order) the decoder runs once on
     the trie's nodes instead of the padded rows, and each trained position takes the hidden state
-    of its sample's node; the head, temperatures and outputs are the flat path's."""
+    of its sample's node; the head, temperatures and outputs are the flat path's. With ``prefix``
+    the trie holds the samples' tokens after that shared prefix and attends to its cached keys and
+    values."""
     sel = batch.loss_mask
     labels = batch.labels[sel]
     temperatures = batch.temperatures.unsqueeze(1).expand(sel.shape)[sel]
@@ -117,8 +125,10 @@ def sequence_logprobs(
         def trained(states: torch.Tensor) -> torch.Tensor:
             return states[:, :-1][sel]
     else:
-        inputs = tree_inputs(model, tree, sel.device)
-        nodes = label_nodes(tree, sel.shape).to(sel.device)[sel]
+        offset = prefix.length if prefix is not None else 0
+        inputs = (tree_inputs(model, tree, sel.device) if prefix is None
+                  else prefixed_inputs(model, tree, prefix, sel.device))
+        nodes = label_nodes(tree, sel.shape, offset).to(sel.device)[sel]
 
         def trained(states: torch.Tensor) -> torch.Tensor:
             return states[0][nodes]
@@ -154,17 +164,36 @@ def _reference_logprobs(
     batch: Batch,
     cfg: StepConfig,
     tree: PrefixTree | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor | None:
     """Frozen-reference log-probs: ``ref_model`` if given, else the peft model with its
-    adapters disabled (the base model *is* the reference for LoRA: no second copy)."""
+    adapters disabled (the base model *is* the reference for LoRA: no second copy). ``prefix`` is
+    the reference's own shared prefix (:func:`_reference_prefix`), used with ``tree``."""
     if ref_model is not None:
-        return sequence_logprobs(ref_model, batch, cfg, tree=tree if tree_problem(ref_model) is None else None)[0]
-    if cfg.kl_coef == 0.0:
+        if tree_problem(ref_model) is not None:
+            return sequence_logprobs(ref_model, batch, cfg)[0]
+        return sequence_logprobs(ref_model, batch, cfg, tree=tree, prefix=prefix)[0]
+    if not needs_reference(ref_model, cfg):
         return None
     if not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a ref_model (or a peft model, whose base is the reference)")
     with model.disable_adapter():
-        return sequence_logprobs(model, batch, cfg, tree=tree)[0]
+        return sequence_logprobs(model, batch, cfg, tree=tree, prefix=prefix)[0]
+
+
+def needs_reference(ref_model: torch.nn.Module | None, cfg: StepConfig) -> bool:
+    return ref_model is not None or cfg.kl_coef != 0.0
+
+
+@torch.no_grad()
+def _reference_prefix(model: torch.nn.Module, ref_model: torch.nn.Module | None, token_ids: torch.Tensor
+                      ) -> SharedPrefix | None:
+    """The shared prefix's keys/values under the reference policy (no gradient); None when a
+    separate reference model cannot continue from them (it then scores the samples flat)."""
+    if ref_model is not None:
+        return SharedPrefix.run(ref_model, token_ids) if shared_prefix_problem(ref_model) is None else None
+    with model.disable_adapter():
+        return SharedPrefix.run(model, token_ids)
 
 
 # --------------------------------------------------------------------------- the step
@@ -189,13 +218,36 @@ def runs_tree(model: torch.nn.Module, cfg: StepConfig) -> bool:
     return problem is None
 
 
-def plan_micro_batches(samples: Sequence[Sample], cfg: StepConfig, tree: bool) -> list[list[Sample]]:
-    """The step's micro-batches: tries packed by unique tokens and mask size (``tree``), else rows
-    packed by rows x padded length. One function, so a backend that must know the count in advance
-    (DeepSpeed's accumulation boundary) gets the step's own."""
+def plan_micro_batches(samples: Sequence[Sample], cfg: StepConfig, tree: bool, prefix_length: int = 0
+                       ) -> list[list[Sample]]:
+    """The step's micro-batches: tries packed by unique tokens and mask size (``tree``; with
+    ``prefix_length``, tries of the tokens after a shared prefix), else rows packed by rows x padded
+    length. One function, so a backend that must know the count in advance (DeepSpeed's
+    accumulation boundary) gets the step's own."""
     if tree:
-        return pack_by_unique_tokens(samples, cfg.max_tokens_per_micro_batch, cfg.max_tree_mask_elements)
+        return pack_by_unique_tokens(samples, cfg.max_tokens_per_micro_batch, cfg.max_tree_mask_elements,
+                                     prefix_length)
     return split_by_token_budget(samples, cfg.max_tokens_per_micro_batch)
+
+
+def step_prefix_length(model: torch.nn.Module, samples: Sequence[Sample], cfg: StepConfig,
+                       custom_backward: bool) -> int:
+    """Length of the prefix this step runs once (:mod:`.shared_prefix`), 0 for none: the samples'
+    :func:`.prefix_tree.shared_prefix_length`, when the model can continue from cached keys/values
+    and the backward is autograd's own (a custom one, DeepSpeed's, scales and reduces per
+    micro-batch: the prefix is then computed in each micro-batch, logged once)."""
+    length = shared_prefix_length(samples, cfg.shared_prefix_min_tokens)
+    if not length:
+        return 0
+    problem = shared_prefix_problem(model)
+    if problem is None and custom_backward:
+        problem = "a custom backward (DeepSpeed) runs each micro-batch's backward itself"
+    if problem is not None:
+        if problem not in _logged_fallbacks:
+            _logged_fallbacks.add(problem)
+            logger.warning("shared-prefix reuse off, each micro-batch computes the shared prefix: %s", problem)
+        return 0
+    return length
 
 
 def accumulate_gradients(
@@ -227,19 +279,29 @@ def accumulate_gradients(
     trained = samples
     if cfg.skip_zero_advantage and backward and backward_fn is None:
         trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
-        if len(trained) < len(samples):
-            groups = plan_micro_batches(trained, cfg, tree)
-            batches = [collate(g, cfg.pad_token_id) for g in groups]
-    trees = [build_tree([s["token_ids"] for s in g]) if tree else None for g in groups]
+    prefix_length = step_prefix_length(model, trained, cfg, backward_fn is not None) if tree else 0
+    if len(trained) < len(samples) or prefix_length:
+        groups = plan_micro_batches(trained, cfg, tree, prefix_length)
+        batches = [collate(g, cfg.pad_token_id) for g in groups]
+    trees = [build_tree([as_tensor(s["token_ids"], torch.long)[prefix_length:] for s in g]) if tree else None
+             for g in groups]
     total_loss = 0.0
     metrics: LossMetrics | None = None
     entropy_sum = 0.0
     grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
     with grad_ctx:
+        prefix = ref_prefix = None
+        if prefix_length:
+            prefix_ids = as_tensor(trained[0]["token_ids"], torch.long)[:prefix_length].long()
+            prefix = SharedPrefix.run(model, prefix_ids)
+            if needs_reference(ref_model, cfg):
+                ref_prefix = _reference_prefix(model, ref_model, prefix_ids)
         for batch, trie in zip(batches, trees, strict=True):
             batch = batch.to(device)
-            ref = _reference_logprobs(model, ref_model, batch, cfg, trie)
-            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy, tree=trie)
+            ref_tree = trie if not prefix_length or ref_prefix is not None else None  # a trie after P needs P
+            ref = _reference_logprobs(model, ref_model, batch, cfg, ref_tree, ref_prefix)
+            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy, tree=trie,
+                                                  prefix=prefix)
             loss, m = ppo_clip_loss(
                 logprobs,
                 batch.behaviour_logprobs,
@@ -262,11 +324,13 @@ def accumulate_gradients(
             metrics = m if metrics is None else metrics.merge(m)
             if entropy is not None:
                 entropy_sum += float(entropy.sum())
+        if prefix is not None and backward:
+            prefix.backward()
     assert metrics is not None
     adv = torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float64)
     input_tokens = sum(b.num_input_tokens for b in batches)
-    unique_tokens = sum(t.unique_tokens if t is not None else b.num_input_tokens
-                        for b, t in zip(batches, trees, strict=True))
+    unique_tokens = prefix_length + sum(t.unique_tokens if t is not None else b.num_input_tokens
+                                        for b, t in zip(batches, trees, strict=True))
     seconds = time.perf_counter() - t0
     tokens = float(metrics.tokens)
     return StepMetrics(

@@ -30,6 +30,7 @@ from .model_setup import (
     write_backend,
 )
 from .step import StepMetrics, set_lr, train_step
+from .shared_prefix import resolve_shared_prefix
 from .tree_step import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class TorchTrainer:
             self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location=cfg.device,
                                                       weights_only=False))
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
-        self.step_cfg: StepConfig = resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer)))
+        self.step_cfg: StepConfig = resolve_shared_prefix(
+            model, resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer))))
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
         if lr is not None:

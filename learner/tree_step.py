@@ -60,10 +60,12 @@ def _dtype(model: torch.nn.Module) -> torch.dtype:
     return causal_model(model).get_input_embeddings().weight.dtype
 
 
-def model_mask(model: torch.nn.Module, tree: PrefixTree, device: torch.device) -> torch.Tensor:
-    """The tree mask as ``model``'s attention takes it: ``[1, 1, N, N]`` bool for sdpa (one byte per
-    element), additive ``0 / min`` in the model's dtype for eager (it adds the mask to the scores)."""
-    mask = tree.attention_mask().to(device)
+def model_mask(model: torch.nn.Module, tree: PrefixTree, device: torch.device, prefix_length: int = 0
+               ) -> torch.Tensor:
+    """The tree mask as ``model``'s attention takes it: ``[1, 1, N, P + N]`` bool for sdpa (one byte
+    per element), additive ``0 / min`` in the model's dtype for eager (it adds the mask to the scores);
+    ``P = prefix_length`` columns of a shared prefix's cached keys, seen by every node."""
+    mask = tree.attention_mask(prefix_length).to(device)
     if attention_implementation(model) == "eager":
         dtype = _dtype(model)
         additive = torch.zeros(mask.shape, dtype=dtype, device=device)
@@ -71,23 +73,29 @@ def model_mask(model: torch.nn.Module, tree: PrefixTree, device: torch.device) -
     return mask[None, None]
 
 
-def tree_inputs(model: torch.nn.Module, tree: PrefixTree, device: torch.device) -> dict[str, torch.Tensor]:
-    """Keyword arguments of a decoder (or causal LM) forward over ``tree``'s nodes."""
+def tree_inputs(model: torch.nn.Module, tree: PrefixTree, device: torch.device, prefix_length: int = 0
+                ) -> dict[str, torch.Tensor]:
+    """Keyword arguments of a decoder (or causal LM) forward over ``tree``'s nodes; with
+    ``prefix_length`` the trie continues a shared prefix of that many tokens whose keys/values the
+    caller passes as ``past_key_values`` (:mod:`.shared_prefix`): positions start after it."""
     return {
         "input_ids": tree.token_ids.to(device).unsqueeze(0),
-        "position_ids": tree.position_ids.to(device).unsqueeze(0),
-        "attention_mask": model_mask(model, tree, device),
+        "position_ids": (tree.position_ids + prefix_length).to(device).unsqueeze(0),
+        "attention_mask": model_mask(model, tree, device, prefix_length),
     }
 
 
-def label_nodes(tree: PrefixTree, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+def label_nodes(tree: PrefixTree, shape: torch.Size | tuple[int, int], prefix_length: int = 0) -> torch.Tensor:
     """``[B, T-1]`` long: at label position ``t`` of sample ``b``, the node whose hidden state predicts
     that label (the node of token ``t``); 0 at padding. Indexing the tree's hidden states with it
-    at the loss mask gives the flat path's ``hidden[:, :-1][loss_mask]`` row for row."""
+    at the loss mask gives the flat path's ``hidden[:, :-1][loss_mask]`` row for row. With
+    ``prefix_length`` the trie holds each sample's tokens from ``prefix_length`` on (the label
+    positions before it are never trained: :func:`.prefix_tree.shared_prefix_length`) and they
+    point at node 0."""
     index = torch.zeros(shape, dtype=torch.long)
     for b, nodes in enumerate(tree.node_index):
-        n = min(nodes.shape[0] - 1, shape[1])
-        index[b, :n] = nodes[:n]
+        n = min(nodes.shape[0] - 1, shape[1] - prefix_length)
+        index[b, prefix_length : prefix_length + n] = nodes[:n]
     return index
 
 
