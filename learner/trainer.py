@@ -29,8 +29,8 @@ from .model_setup import (
     set_rng_state,
     write_backend,
 )
-from .step import StepMetrics, set_lr, train_step
 from .shared_prefix import resolve_shared_prefix
+from .step import StepMetrics, set_lr, train_step
 from .tree_step import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,9 @@ from boltstream.learner.prefix_tree import (
     ancestor_mask,
     build_tree,
     common_prefix,
+    first_trained_position,
     pack_by_unique_tokens,
+    shared_prefix_length,
     subtree_ends,
 )
 
@@ -145,3 +147,53 @@ def test_a_sample_over_the_budget_gets_a_group_of_its_own() -> None:
     assert [[s["sample_id"] for s in g] for g in groups] == [["s"], ["long"], ["t"]]
     with pytest.raises(ValueError, match="max_unique_tokens"):
         pack_by_unique_tokens(samples, 0)
+
+
+def _trained(ids: list[int], first_loss: int) -> dict:
+    return {"token_ids": ids, "loss_mask": [i >= first_loss for i in range(len(ids))]}
+
+
+def test_first_trained_position_skips_token_zero() -> None:
+    assert first_trained_position([False, False, True, True]) == 2
+    assert first_trained_position(array("B", [1, 0, 0, 1])) == 3  # token 0 is never a label
+    assert first_trained_position([False, False]) == 2
+
+
+def test_the_shared_prefix_stops_before_the_hidden_state_of_the_first_loss_token() -> None:
+    system = [10, 11, 12, 13, 14, 15]
+    a = _trained(system + [1, 2, 3], first_loss=8)  # loss on token 8 reads hidden state 7
+    b = _trained(system + [1, 4, 5, 6], first_loss=8)
+    c = _trained(system + [7, 8], first_loss=7)
+    assert shared_prefix_length([a, b], 1) == 7  # 6 system tokens + the shared 1, all before hidden 7
+    assert shared_prefix_length([a, b, c], 1) == 6  # c diverges at 6
+    assert shared_prefix_length([a, b, c], 6) == 6 and shared_prefix_length([a, b, c], 7) == 0
+    early = _trained(system + [1, 2, 3], first_loss=4)  # its loss starts inside the system prompt: P <= 3
+    assert shared_prefix_length([a, b, early], 1) == 3 and shared_prefix_length([a, b, early], 4) == 0
+    assert shared_prefix_length([a], 1) == 0  # nothing to share with
+    assert shared_prefix_length([a, b], 0) == 0  # off
+    assert shared_prefix_length([a, _trained([99] + system, first_loss=5)], 1) == 0  # no common prefix
+
+
+def test_the_mask_after_a_shared_prefix_sees_all_of_it() -> None:
+    #  prefix (2 tokens) | 0:4 - 1:5
+    #                    |  \- 2:6
+    tree = build_tree([[4, 5], [4, 6]])
+    assert rows(tree.attention_mask(2)) == [
+        "111..",
+        "1111.",
+        "111.1",
+    ]
+    assert torch.equal(tree.attention_mask(0), tree.attention_mask())
+
+
+def test_packing_after_a_shared_prefix_counts_only_the_tokens_after_it() -> None:
+    system = list(range(10, 20))
+    samples = [_sample(system + [1, 2], "a1"), _sample(system + [3, 4], "b1"), _sample(system + [1, 2, 5], "a2")]
+    # after the 10-token prefix: a1 + a2 = 3 nodes, b1 = 2 more
+    assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 5, prefix_length=10)] == [
+        ["a1", "a2", "b1"]]
+    assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 4, prefix_length=10)] == [
+        ["a1", "a2"], ["b1"]]
+    # the mask is nodes x (prefix + nodes): 3 x 13 = 39 fits, 5 x 15 = 75 does not
+    assert [[s["sample_id"] for s in g] for g in pack_by_unique_tokens(samples, 100, max_mask_elements=40,
+                                                                       prefix_length=10)] == [["a1", "a2"], ["b1"]]

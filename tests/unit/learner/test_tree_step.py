@@ -80,6 +80,12 @@ def test_label_nodes_points_each_label_at_the_node_of_the_token_before_it() -> N
     assert label_nodes(tree, (2, 2)).tolist() == [[0, 1], [0, 0]]
 
 
+def test_label_nodes_after_a_shared_prefix_start_at_the_prefix() -> None:
+    # full samples [1, 2, 5, 6, 7] and [1, 2, 5, 8]; after the 2-token prefix: nodes 5, 6, 7, 8
+    tree = build_tree([[5, 6, 7], [5, 8]])
+    assert label_nodes(tree, (2, 4), prefix_length=2).tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+
+
 @pytest.mark.parametrize("variant", ["plain", "lora"])
 def test_train_step_is_the_same_with_and_without_prefix_tree(variant: str) -> None:
     samples = shared_prefix_samples(VOCAB, seed=3)
