@@ -1,13 +1,15 @@
 """Learner step time, flat vs prefix tree, on agent-shaped samples (SmolLM2 + LoRA on CPU, as the demo trains).
 
     .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
-        [--agent-scale 10] [--agent-groups 1] [--agent-budget N]
+        [--agent-scale 10] [--agent-groups 1] [--agent-budget N] [--agent-tree-budget N]
+        [--flat-samples N] [--without-shared-prefix]
 
 Samples of one agent share most of their tokens: the system prompt, the task's question across a
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
 token of every sample; the tree step (``StepConfig.prefix_tree``) computes each shared prefix once
-per micro-batch. Both steps here run in the same process, one after the other, on the same
-samples and trainer (the demo's learner: ``learner_config()`` of the pipeline) after one untimed
+per micro-batch, and a prefix that every sample starts with (the system prompt) once per step
+(``StepConfig.shared_prefix_min_tokens``). Both steps here run in the same process, one after the
+other, on the same samples and trainer (the demo's learner: ``learner_config()`` of the pipeline) after one untimed
 warm-up step, each with its own peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_step.py).
 
 Shapes:
@@ -19,12 +21,20 @@ Shapes:
   response + tool message). The demo's micro-batch budget (1,024).
 * ``agent``: a longer agent: a 2,000-token system prompt, 5 turns of 200 tokens (100 tool/user +
   100 response; turn 1's user message is the task, shared by the group), groups of 8, one sample
-  per call. ``--agent-scale S`` divides every length by S (default 10: the flat step at full
-  size, 104,000 tokens, takes hours on a small shared CPU box); the budget is ``--agent-budget``
-  unique tokens for the tree and, for the flat path, the same number of rows x padded length
-  (default: twice the longest sample, rounded up to 1,024s).
+  per call. ``--agent-scale S`` divides every length by S (default 10; 1 is the full size). The
+  flat path's budget is ``--agent-budget`` rows x padded length (default: twice the longest
+  sample, rounded up to 1,024s); the tree's is ``--agent-tree-budget`` unique tokens after the
+  shared prefix (default: twice the longest sample's tokens after it, about two rollouts).
 
-Prints per shape the time ratio and unique vs total tokens; JSON to benchmarks/results/prefix_tree.json.
+``--flat-samples N`` runs the flat step on the first N samples only (for the agent shape, default
+5: one attempt's five calls, every turn length once) and scales its time to the whole step by
+tokens: the flat path runs every sample as its own sequence, so its cost is that of its samples,
+summed (the printed line says "scaled" and from how many samples; 0 runs every sample). The tree
+always runs the whole step. ``--without-shared-prefix`` adds a tree step with the shared prefix
+computed in each micro-batch (``shared_prefix_min_tokens=0``), for comparison.
+
+Prints per shape the time ratio, unique vs total tokens and peak RSS; JSON to
+benchmarks/results/prefix_tree.json.
 """
 
 from __future__ import annotations
@@ -100,35 +110,62 @@ def agent_samples(vocab: int, seed: int, *, scale: int, groups: int, group_size:
     return out
 
 
-def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]], budget: int,
-              steps: int) -> dict[str, Any]:
+def _timed_step(trainer: Any, lr: float, samples: list[dict[str, Any]], cfg: Any) -> dict[str, Any]:
     from boltstream.learner.memory import memory_status, reset_peak_rss
 
+    trainer.step_cfg = cfg
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    m = trainer.step(samples, lr)
+    seconds = time.perf_counter() - t0
+    return {"seconds": round(seconds, 2), "samples": len(samples), "input_tokens": m.input_tokens,
+            "unique_tokens": m.unique_tokens, "loss_tokens": m.loss_tokens, "micro_batches": m.micro_batches,
+            "peak_rss_mb": round(memory_status().get("peak_rss_mb", float("nan")))}
+
+
+def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]], budget: int, steps: int, *,
+              tree_budget: int | None = None, flat_samples: int = 0, without_shared_prefix: bool = False
+              ) -> dict[str, Any]:
+    """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], flat step on the
+    first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
     base = trainer.step_cfg
+    tree_cfg = dataclasses.replace(base, prefix_tree=True, max_tokens_per_micro_batch=tree_budget or budget)
+    flat_cfg = dataclasses.replace(base, prefix_tree=False, max_tokens_per_micro_batch=budget)
+    subset = samples[:flat_samples] if 0 < flat_samples < len(samples) else samples
+    total_tokens = sum(len(s["token_ids"]) for s in samples)
     rows = []
     for step in range(steps):
-        row: dict[str, Any] = {"step": step}
-        for variant in ("tree", "flat"):
-            trainer.step_cfg = dataclasses.replace(base, prefix_tree=variant == "tree",
-                                                   max_tokens_per_micro_batch=budget)
-            reset_peak_rss()
-            t0 = time.perf_counter()
-            m = trainer.step(samples, lr)
-            seconds = time.perf_counter() - t0
-            row[variant] = {"seconds": round(seconds, 2), "input_tokens": m.input_tokens,
-                            "unique_tokens": m.unique_tokens, "loss_tokens": m.loss_tokens,
-                            "micro_batches": m.micro_batches,
-                            "peak_rss_mb": round(memory_status().get("peak_rss_mb", float("nan")))}
-        row["ratio"] = round(row["flat"]["seconds"] / row["tree"]["seconds"], 2)
+        row: dict[str, Any] = {"step": step, "tree": _timed_step(trainer, lr, samples, tree_cfg)}
+        if without_shared_prefix:
+            row["tree_without_shared_prefix"] = _timed_step(
+                trainer, lr, samples, dataclasses.replace(tree_cfg, shared_prefix_min_tokens=0))
+        flat = _timed_step(trainer, lr, subset, flat_cfg)
+        scale = total_tokens / flat["input_tokens"]
+        flat.update(measured_seconds=flat["seconds"], scaled_by=round(scale, 4),
+                    seconds=round(flat["seconds"] * scale, 2))
+        row["flat"] = flat
+        row["ratio"] = round(flat["seconds"] / row["tree"]["seconds"], 2)
         rows.append(row)
-        f, t = row["flat"], row["tree"]
-        print(f"{name} step {step}: {len(samples)} samples, {f['input_tokens']} tokens ({t['unique_tokens']} unique, "
-              f"{f['input_tokens'] / t['unique_tokens']:.1f}x); flat {f['seconds']:.1f} s in {f['micro_batches']} "
-              f"micro-batches, peak RSS {f['peak_rss_mb']} MB; tree {t['seconds']:.1f} s in {t['micro_batches']}, "
-              f"peak RSS {t['peak_rss_mb']} MB: tree {row['ratio']:.2f}x faster", flush=True)
+        f, t = flat, row["tree"]
+        if len(subset) < len(samples):
+            flat_text = (f"flat {f['seconds']:.1f} s SCALED from {len(subset)} of {len(samples)} samples "
+                         f"({f['measured_seconds']:.1f} s for their {f['input_tokens']} tokens x {scale:.2f}) "
+                         f"in {f['micro_batches']} micro-batches")
+        else:
+            flat_text = f"flat {f['seconds']:.1f} s in {f['micro_batches']} micro-batches"
+        print(f"{name} step {step}: {len(samples)} samples, {total_tokens} tokens ({t['unique_tokens']} unique, "
+              f"{total_tokens / t['unique_tokens']:.1f}x); {flat_text}, peak RSS {f['peak_rss_mb']} MB; "
+              f"tree {t['seconds']:.1f} s in {t['micro_batches']}, peak RSS {t['peak_rss_mb']} MB: "
+              f"tree {row['ratio']:.2f}x faster", flush=True)
+        if without_shared_prefix:
+            w = row["tree_without_shared_prefix"]
+            print(f"{name} step {step}: tree without the shared prefix: {w['unique_tokens']} unique tokens, "
+                  f"{w['seconds']:.1f} s in {w['micro_batches']} micro-batches, peak RSS {w['peak_rss_mb']} MB: "
+                  f"{flat['seconds'] / w['seconds']:.2f}x faster than flat", flush=True)
     trainer.step_cfg = base
     ratios = sorted(r["ratio"] for r in rows)
-    return {"shape": name, "budget": budget, "samples": len(samples), "steps": rows,
+    return {"shape": name, "budget": budget, "tree_budget": tree_budget or budget, "samples": len(samples),
+            "flat_samples": len(subset), "flat_scaled": len(subset) < len(samples), "steps": rows,
             "median_ratio": ratios[len(ratios) // 2]}
 
 
@@ -139,12 +176,21 @@ def main() -> int:
     ap.add_argument("--agent-scale", type=int, default=10, help="divide the agent shape's lengths by this")
     ap.add_argument("--agent-groups", type=int, default=1, help="groups of 8 per agent step")
     ap.add_argument("--agent-budget", type=int, default=None,
-                    help="micro-batch budget of the agent shape (default: twice its longest sample, in 1024s)")
+                    help="flat micro-batch budget of the agent shape (default: twice its longest sample, in 1024s)")
+    ap.add_argument("--agent-tree-budget", type=int, default=None,
+                    help="tree micro-batch budget of the agent shape, unique tokens after the shared prefix "
+                         "(default: twice the longest sample's tokens after it)")
+    ap.add_argument("--flat-samples", type=int, default=None,
+                    help="run the flat step on the first N samples and scale its time to the whole step by tokens "
+                         "(default: 5 for the agent shape, all for demo; 0: all)")
+    ap.add_argument("--without-shared-prefix", action="store_true",
+                    help="also time a tree step that computes the shared prefix in each micro-batch")
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
     from boltstream.learner.memory import pin_mmap_threshold
     from boltstream.learner.model_setup import vocab_size
+    from boltstream.learner.prefix_tree import shared_prefix_length
     from boltstream.learner.trainer import make_trainer
 
     cfg = demo_learner_config(args.model, pinned=True)
@@ -159,18 +205,29 @@ def main() -> int:
     for shape in args.shape.split(","):
         if shape == "demo":
             shapes.append(run_shape(trainer, cfg.lr, "demo", demo_samples(trainer.tokenizer, 0),
-                                    cfg.step.max_tokens_per_micro_batch, args.steps))
+                                    cfg.step.max_tokens_per_micro_batch, args.steps,
+                                    flat_samples=args.flat_samples or 0,
+                                    without_shared_prefix=args.without_shared_prefix))
         elif shape == "agent":
             samples = agent_samples(vocab_size(trainer.model), 0, scale=args.agent_scale, groups=args.agent_groups)
             longest = max(len(s["token_ids"]) for s in samples)
             budget = args.agent_budget or -(-longest // 1024) * 1024 * 2
-            shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps))
+            prefix = shared_prefix_length(samples, trainer.step_cfg.shared_prefix_min_tokens)
+            tree_budget = args.agent_tree_budget or 2 * (longest - prefix)
+            print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens, "
+                  f"flat budget {budget}, tree budget {tree_budget} unique tokens after it", flush=True)
+            shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps,
+                                    tree_budget=tree_budget,
+                                    flat_samples=5 if args.flat_samples is None else args.flat_samples,
+                                    without_shared_prefix=args.without_shared_prefix))
         else:
             ap.error(f"unknown shape {shape!r}")
     for s in shapes:
         t = s["steps"][0]
+        scaled = f", flat scaled from {s['flat_samples']} of {s['samples']} samples" if s["flat_scaled"] else ""
         print(f"learner step, {s['shape']} shape: tree {s['median_ratio']:.2f}x faster than flat "
-              f"({t['flat']['input_tokens']} tokens, {t['tree']['unique_tokens']} unique)")
+              f"({t['tree']['input_tokens']} tokens, {t['tree']['unique_tokens']} unique; peak RSS tree "
+              f"{t['tree']['peak_rss_mb']} MB, flat {t['flat']['peak_rss_mb']} MB{scaled})")
     RESULTS.mkdir(exist_ok=True)
     out = {"benchmark": "prefix_tree", "machine": platform.node(), "args": vars(args), "shapes": shapes}
     (RESULTS / "prefix_tree.json").write_text(json.dumps(out, indent=2))
