@@ -128,6 +128,8 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
               ) -> dict[str, Any]:
     """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], flat step on the
     first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
+    from boltstream.learner.prefix_tree import shared_prefix_length
+
     base = trainer.step_cfg
     tree_cfg = dataclasses.replace(base, prefix_tree=True, max_tokens_per_micro_batch=tree_budget or budget)
     flat_cfg = dataclasses.replace(base, prefix_tree=False, max_tokens_per_micro_batch=budget)
@@ -136,9 +138,11 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
     rows = []
     for step in range(steps):
         row: dict[str, Any] = {"step": step, "tree": _timed_step(trainer, lr, samples, tree_cfg)}
-        if without_shared_prefix:
-            row["tree_without_shared_prefix"] = _timed_step(
-                trainer, lr, samples, dataclasses.replace(tree_cfg, shared_prefix_min_tokens=0))
+        if without_shared_prefix:  # the same tries, each with the prefix in front: a budget larger by it
+            prefix = shared_prefix_length(samples, base.shared_prefix_min_tokens)
+            row["tree_without_shared_prefix"] = _timed_step(trainer, lr, samples, dataclasses.replace(
+                tree_cfg, shared_prefix_min_tokens=0, max_tokens_per_micro_batch=tree_cfg.max_tokens_per_micro_batch
+                + prefix))
         flat = _timed_step(trainer, lr, subset, flat_cfg)
         scale = total_tokens / flat["input_tokens"]
         flat.update(measured_seconds=flat["seconds"], scaled_by=round(scale, 4),
