@@ -6,18 +6,24 @@ several micro-batches would compute it again in each. Here the prefix ``P``
 (:func:`.prefix_tree.shared_prefix_length`: common to all samples, ending before any sample's
 first loss token) runs once per step:
 
-1. ``P``'s forward runs through the decoder with gradient on, keeping every layer's keys and
-   values (``outputs``, still in ``P``'s autograd graph).
-2. Each micro-batch's trie (the samples' tokens after ``P``) attends to detached copies of them
-   (``leaves``, one set for the whole step, ``requires_grad``): a fresh cache built from the
-   leaves is the forward's ``past_key_values``, the mask is ``[N, P + N]`` (every node sees all of
-   ``P``), position ids are ``P + depth``. Its backward adds the micro-batch's share of the
-   gradient with respect to ``P``'s keys and values into the leaves' ``.grad``.
-3. After the last micro-batch, :meth:`SharedPrefix.backward` sends the summed leaf gradients
-   through ``P``'s forward into the weights (LoRA or full).
+1. ``P``'s forward runs through the decoder without gradient, in chunks of at most the
+   micro-batch budget (each chunk continuing from the earlier chunks' cache), keeping every
+   layer's keys and values. Their detached copies (``leaves``, one set for the whole step,
+   ``requires_grad``) are what every micro-batch attends to.
+2. Each micro-batch's trie (the samples' tokens after ``P``) runs with a fresh cache built from
+   the leaves as ``past_key_values``, a ``[N, P + N]`` mask (every node sees all of ``P``) and
+   position ids ``P + depth``. Its backward adds the micro-batch's share of the gradient with
+   respect to ``P``'s keys and values into the leaves' ``.grad``.
+3. After the last micro-batch, :meth:`SharedPrefix.backward` recomputes ``P``'s chunks with
+   gradient, last chunk first (as activation checkpointing does, with the chunk's random state
+   replayed), and sends the summed leaf gradients through each chunk's keys and values into the
+   weights (LoRA or full) and into the earlier chunks' leaves, whose turn comes next.
 
-The sum of gradients is exact (the loss is a sum over micro-batches, each depending on ``P`` only
-through its keys and values), so the update equals the flat step's up to rounding.
+Recomputing costs one more forward over ``P``; in exchange ``P``'s activations are never held
+while the micro-batches run, and never more than one chunk's at a time, so the step's peak memory
+is the micro-batch budget's, however long ``P`` is. The gradient is exact (the loss depends on
+``P``'s tokens only through their keys and values, and a chunk on the earlier chunks only through
+theirs), so the update equals the flat step's up to rounding.
 
 Every use of transformers' cache internals goes through :mod:`boltstream.inference.kv_cache`
 (it states what it relies on, and checks it on a real model, gradients included).
@@ -63,28 +69,46 @@ def shared_prefix_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _device_rng(device: torch.device) -> list[torch.device]:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
 @dataclasses.dataclass
 class SharedPrefix:
-    """``P``'s keys/values for one step: ``outputs`` in ``P``'s graph, ``leaves`` that the
-    micro-batches attend to and whose ``.grad`` collects their gradient."""
+    """``P``'s keys/values for one step (``leaves``, whose ``.grad`` collects the micro-batches'
+    gradient) and what recomputing its chunks with gradient needs."""
 
     length: int
-    outputs: kv_cache.KV
     leaves: kv_cache.KV
+    model: torch.nn.Module
+    token_ids: torch.Tensor  # [P] long, on the model's device
+    chunks: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor | None]]]  # (start, end, RNG state)
 
     @classmethod
-    def run(cls, model: torch.nn.Module, token_ids: torch.Tensor) -> SharedPrefix:
-        """``P``'s forward (``token_ids`` 1-d) on ``model``'s decoder; with gradient when grad mode is
-        on (then the leaves require grad), else for scoring only."""
+    def run(cls, model: torch.nn.Module, token_ids: torch.Tensor, chunk_size: int) -> SharedPrefix:
+        """``P``'s forward (``token_ids`` 1-d) on ``model``'s decoder, without gradient, in chunks of
+        at most ``chunk_size`` tokens; the leaves require grad when grad mode is on."""
         decoder = prefix_decoder(model)
         if decoder is None:
             raise ValueError(shared_prefix_problem(model) or "no decoder")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         device = next(model.parameters()).device
-        out = decoder(input_ids=token_ids.to(device).unsqueeze(0), use_cache=True)
-        outputs = kv_cache.layers_of(out.past_key_values)
+        ids = token_ids.to(device)
         grad = torch.is_grad_enabled()
-        leaves = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)) for k, v in outputs]
-        return cls(length=int(token_ids.shape[0]), outputs=outputs, leaves=leaves)
+        cache, chunks = None, []
+        with torch.no_grad():
+            for start in range(0, ids.shape[0], chunk_size):
+                end = min(start + chunk_size, ids.shape[0])
+                chunks.append((start, end, _rng_state(device)))
+                cache = _chunk_forward(decoder, ids, start, end, cache)
+        leaves = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+                  for k, v in kv_cache.layers_of(cache)]
+        return cls(length=int(ids.shape[0]), leaves=leaves, model=model, token_ids=ids, chunks=chunks)
 
     def cache(self) -> Any:
         """A fresh cache over the leaves for one forward (the forward appends the trie's own keys)."""
@@ -92,16 +116,36 @@ class SharedPrefix:
 
     def backward(self) -> None:
         """Push the gradient the micro-batches left in the leaves through ``P``'s forward into the
-        weights (adding to their ``.grad``), then drop ``P``'s graph."""
-        tensors, grads = [], []
-        for output, leaf in zip(self.outputs, self.leaves, strict=True):
-            for tensor, leaf_tensor in zip(output, leaf, strict=True):
-                if leaf_tensor.grad is not None and tensor.requires_grad:
-                    tensors.append(tensor)
-                    grads.append(leaf_tensor.grad)
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors=grads)
-        self.outputs, self.leaves = [], []
+        weights (adding to their ``.grad``): each chunk, last first, recomputed with gradient from
+        the earlier chunks' leaves, backward from its own keys/values. Then drops the leaves."""
+        decoder = prefix_decoder(self.model)
+        device = self.token_ids.device
+        for start, end, (cpu_state, cuda_state) in reversed(self.chunks):
+            grads = [g[..., start:end, :].clone() if g is not None else None
+                     for leaf in self.leaves for g in (leaf[0].grad, leaf[1].grad)]
+            if all(g is None for g in grads):
+                continue
+            past = kv_cache.make_cache([(k[..., :start, :], v[..., :start, :]) for k, v in self.leaves]) \
+                if start else None
+            with torch.random.fork_rng(devices=_device_rng(device)):
+                torch.set_rng_state(cpu_state)
+                if cuda_state is not None:
+                    torch.cuda.set_rng_state(cuda_state, device)
+                cache = _chunk_forward(decoder, self.token_ids, start, end, past)
+            outputs = [t[..., start:end, :] for layer in kv_cache.layers_of(cache) for t in layer]
+            pairs = [(t, g) for t, g in zip(outputs, grads, strict=True) if g is not None and t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
+        self.leaves, self.chunks = [], []
+
+
+def _chunk_forward(decoder: torch.nn.Module, ids: torch.Tensor, start: int, end: int, cache: Any) -> Any:
+    """The decoder over ``ids[start:end]`` continuing ``cache`` (the keys/values of ``ids[:start]``,
+    None for the first chunk), causal; returns the cache, now holding ``ids[:end]``."""
+    out = decoder(input_ids=ids[start:end].unsqueeze(0),
+                  position_ids=torch.arange(start, end, device=ids.device).unsqueeze(0),
+                  past_key_values=cache, use_cache=True)
+    return out.past_key_values
 
 
 def prefixed_inputs(model: torch.nn.Module, tree: Any, prefix: SharedPrefix, device: torch.device
@@ -125,7 +169,7 @@ def probe_shared_prefix(model: torch.nn.Module) -> str | None:
     was_training = model.training
     model.eval()
     try:
-        prefix = SharedPrefix.run(model, torch.tensor([a]))
+        prefix = SharedPrefix.run(model, torch.tensor([a]), chunk_size=1)
         tree_logits = model(**prefixed_inputs(model, tree, prefix, device), use_cache=False).logits[0]
         flat_logits = model(input_ids=torch.tensor([[a, c]], device=device), use_cache=False).logits[0]
     except Exception as exc:  # any failure means: no shared prefix

@@ -186,14 +186,16 @@ def needs_reference(ref_model: torch.nn.Module | None, cfg: StepConfig) -> bool:
 
 
 @torch.no_grad()
-def _reference_prefix(model: torch.nn.Module, ref_model: torch.nn.Module | None, token_ids: torch.Tensor
-                      ) -> SharedPrefix | None:
+def _reference_prefix(model: torch.nn.Module, ref_model: torch.nn.Module | None, token_ids: torch.Tensor,
+                      chunk_size: int) -> SharedPrefix | None:
     """The shared prefix's keys/values under the reference policy (no gradient); None when a
     separate reference model cannot continue from them (it then scores the samples flat)."""
     if ref_model is not None:
-        return SharedPrefix.run(ref_model, token_ids) if shared_prefix_problem(ref_model) is None else None
+        if shared_prefix_problem(ref_model) is not None:
+            return None
+        return SharedPrefix.run(ref_model, token_ids, chunk_size)
     with model.disable_adapter():
-        return SharedPrefix.run(model, token_ids)
+        return SharedPrefix.run(model, token_ids, chunk_size)
 
 
 # --------------------------------------------------------------------------- the step
@@ -293,9 +295,9 @@ def accumulate_gradients(
         prefix = ref_prefix = None
         if prefix_length:
             prefix_ids = as_tensor(trained[0]["token_ids"], torch.long)[:prefix_length].long()
-            prefix = SharedPrefix.run(model, prefix_ids)
+            prefix = SharedPrefix.run(model, prefix_ids, cfg.max_tokens_per_micro_batch)
             if needs_reference(ref_model, cfg):
-                ref_prefix = _reference_prefix(model, ref_model, prefix_ids)
+                ref_prefix = _reference_prefix(model, ref_model, prefix_ids, cfg.max_tokens_per_micro_batch)
         for batch, trie in zip(batches, trees, strict=True):
             batch = batch.to(device)
             ref_tree = trie if not prefix_length or ref_prefix is not None else None  # a trie after P needs P

@@ -70,7 +70,7 @@ def test_logprobs_and_gradients_from_a_shared_prefix_equal_flat(variant: str, at
     (lp_flat * weights).sum().backward()
     g_flat = grads(model)
     model.zero_grad(set_to_none=True)
-    prefix = SharedPrefix.run(model, torch.tensor(samples[0]["token_ids"][:SYSTEM]))
+    prefix = SharedPrefix.run(model, torch.tensor(samples[0]["token_ids"][:SYSTEM]), chunk_size=4)  # 3 chunks
     tree = build_tree([s["token_ids"][SYSTEM:] for s in samples])
     lp, ent = sequence_logprobs(model, batch, cfg, with_entropy=True, tree=tree, prefix=prefix)
     (lp * weights).sum().backward()
@@ -81,12 +81,14 @@ def test_logprobs_and_gradients_from_a_shared_prefix_equal_flat(variant: str, at
     assert_grads_equal(grads(model), g_flat)
 
 
+@pytest.mark.parametrize("budget", [12, 4])  # 4: the 9-token prefix also runs in 3 chunks
 @pytest.mark.parametrize("variant", ["plain", "lora"])
-def test_a_step_split_into_micro_batches_computes_the_prefix_once_and_equals_flat(variant: str) -> None:
+def test_a_step_split_into_micro_batches_computes_the_prefix_once_and_equals_flat(variant: str, budget: int) -> None:
     samples = shared_prefix_samples(VOCAB, seed=2)
     model = make_model(variant, "sdpa")
     out = {}
-    for name, cfg in (("flat", StepConfig(prefix_tree=False, logprob_chunk_size=7)), ("shared", ON),
+    on = dataclasses.replace(ON, max_tokens_per_micro_batch=budget)
+    for name, cfg in (("flat", StepConfig(prefix_tree=False, logprob_chunk_size=7)), ("shared", on),
                       ("tree", StepConfig(shared_prefix_min_tokens=0, max_tokens_per_micro_batch=12 + SYSTEM))):
         model.zero_grad(set_to_none=True)
         out[name] = (accumulate_gradients(model, samples, cfg), grads(model))
