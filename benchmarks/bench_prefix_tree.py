@@ -24,7 +24,8 @@ Shapes:
   per call. ``--agent-scale S`` divides every length by S (default 10; 1 is the full size). The
   flat path's budget is ``--agent-budget`` rows x padded length (default: twice the longest
   sample, rounded up to 1,024s); the tree's is ``--agent-tree-budget`` unique tokens after the
-  shared prefix (default: twice the longest sample's tokens after it, about two rollouts).
+  shared prefix (default: the longest sample's tokens after it, rounded up to 256s: about one
+  rollout per micro-batch; the prefix itself runs in chunks of the same budget).
 
 ``--flat-samples N`` runs the flat step on the first N samples only (for the agent shape, default
 5: one attempt's five calls, every turn length once) and scales its time to the whole step by
@@ -183,7 +184,7 @@ def main() -> int:
                     help="flat micro-batch budget of the agent shape (default: twice its longest sample, in 1024s)")
     ap.add_argument("--agent-tree-budget", type=int, default=None,
                     help="tree micro-batch budget of the agent shape, unique tokens after the shared prefix "
-                         "(default: twice the longest sample's tokens after it)")
+                         "(default: the longest sample's tokens after it, about one rollout, in 256s)")
     ap.add_argument("--flat-samples", type=int, default=None,
                     help="run the flat step on the first N samples and scale its time to the whole step by tokens "
                          "(default: 5 for the agent shape, all for demo; 0: all)")
@@ -217,7 +218,7 @@ def main() -> int:
             longest = max(len(s["token_ids"]) for s in samples)
             budget = args.agent_budget or -(-longest // 1024) * 1024 * 2
             prefix = shared_prefix_length(samples, trainer.step_cfg.shared_prefix_min_tokens)
-            tree_budget = args.agent_tree_budget or 2 * (longest - prefix)
+            tree_budget = args.agent_tree_budget or -(-(longest - prefix) // 256) * 256
             print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens, "
                   f"flat budget {budget}, tree budget {tree_budget} unique tokens after it", flush=True)
             shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps,
