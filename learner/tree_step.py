@@ -2,7 +2,8 @@
 
 A tree forward runs the decoder once on a micro-batch's trie (:mod:`.prefix_tree`): ``input_ids``
 are the nodes' tokens ``[1, N]``, ``position_ids`` their depths, and ``attention_mask`` the
-tree mask as a 4-D ``[1, 1, N, N]`` tensor. What it relies on in transformers (checked by
+tree mask as a 4-D ``[1, 1, N, N]`` tensor (after a step's shared prefix of ``P`` tokens,
+:mod:`.shared_prefix`: positions ``P + depth`` and a ``[1, 1, N, P + N]`` mask that sees all of it). What it relies on in transformers (checked by
 :func:`probe_tree_support` on the real model, and by a unit test on the installed version):
 
 * ``masking_utils.create_causal_mask`` returns a 4-D ``attention_mask`` as it is given (no causal
