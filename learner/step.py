@@ -15,7 +15,7 @@ task's question, a previous call) is computed once; each sample then gathers the
 of its own nodes and everything after the decoder is the flat path's, on the same tensors.
 Micro-batches are then bounded by unique tokens (trie nodes) and mask size. A prefix that every
 sample of the step shares (``StepConfig.shared_prefix_min_tokens``: the system prompt) runs once
-per step instead of once per micro-batch (:mod:`.shared_prefix`): the tries hold the tokens after
+per step instead of once per micro-batch when the step needs more than one (:mod:`.shared_prefix`): the tries hold the tokens after
 it and attend to its cached keys/values, whose gradient goes back through it after the last
 micro-batch.
 """
@@ -281,8 +281,12 @@ def accumulate_gradients(
     trained = samples
     if cfg.skip_zero_advantage and backward and backward_fn is None:
         trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
-    prefix_length = step_prefix_length(model, trained, cfg, backward_fn is not None) if tree else 0
-    if len(trained) < len(samples) or prefix_length:
+    if len(trained) < len(samples):
+        groups = plan_micro_batches(trained, cfg, tree)
+        batches = [collate(g, cfg.pad_token_id) for g in groups]
+    # One trie computes the shared prefix once already; only a step split over micro-batches gains.
+    prefix_length = step_prefix_length(model, trained, cfg, backward_fn is not None) if tree and len(groups) > 1 else 0
+    if prefix_length:
         groups = plan_micro_batches(trained, cfg, tree, prefix_length)
         batches = [collate(g, cfg.pad_token_id) for g in groups]
     trees = [build_tree([as_tensor(s["token_ids"], torch.long)[prefix_length:] for s in g]) if tree else None
