@@ -26,9 +26,7 @@ Settings: ``glibc`` (defaults: the baseline), ``pin128k`` (the learner's former 
 threshold), ``trimpad`` (the worker's 64 MiB trim threshold + 4 MiB top pad), ``pin1m``,
 ``pin4m``, ``pin32m`` (higher pinned thresholds), ``arena2`` (``MALLOC_ARENA_MAX=2`` with the
 defaults otherwise), ``jemalloc`` and ``tcmalloc`` (preloaded with ``LD_PRELOAD``; a library that
-is not installed is reported as absent and only its row is skipped), ``tcmalloc-keep`` (tcmalloc with
-``TCMALLOC_RELEASE_RATE=0``: freed pages are never returned to the kernel, so reusing them costs no
-page faults). Ratios are medians over the
+is not installed is reported as absent and only its row is skipped). Ratios are medians over the
 rounds of each round's setting / glibc (same round, so the same drift). JSON goes to
 benchmarks/results/allocators.json.
 """
@@ -65,8 +63,6 @@ SETTINGS: dict[str, tuple[list[tuple[str, int]], dict[str, str], str | None]] = 
     "arena2": ([], {"MALLOC_ARENA_MAX": "2"}, None),
     "jemalloc": ([], {}, "jemalloc"),
     "tcmalloc": ([], {}, "tcmalloc"),
-    # tcmalloc that never hands freed pages back to the kernel: no zero-fill refaults on reuse.
-    "tcmalloc-keep": ([], {"TCMALLOC_RELEASE_RATE": "0"}, "tcmalloc"),
 }
 DEFAULT_SETTINGS = ("glibc", "pin128k", "trimpad", "pin1m", "pin4m", "pin32m", "jemalloc", "tcmalloc")
 
