@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from boltstream.runs.demo import DEMO_GROUPS_PER_STEP
 from boltstream.runs.pipeline import read_jsonl
 from tests.tracking_readers import mlflow_runs, tensorboard_scalars, wandb_run_file
 
@@ -108,7 +109,7 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     assert set(runs) == {"policy", "pipeline"}
     assert runs["pipeline"].data.params["learner/lr"] == "0.001"
     assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
-    assert runs["policy"].data.params["groups_per_step"] == "4"
+    assert runs["policy"].data.params["groups_per_step"] == str(DEMO_GROUPS_PER_STEP)
     wandb_files = sorted((tracking / "wandb").glob("offline-run-*/run-*.wandb"))
     by_name = {run["name"]: run for run in map(wandb_run_file, wandb_files)}
     assert set(by_name) == {"policy", "pipeline"}
