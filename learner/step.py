@@ -15,9 +15,9 @@ task's question, a previous call) is computed once; each sample then gathers the
 of its own nodes and everything after the decoder is the flat path's, on the same tensors.
 Micro-batches are then bounded by unique tokens (trie nodes) and mask size. A prefix that every
 sample of the step shares (``StepConfig.shared_prefix_min_tokens``: the system prompt) runs once
-per step instead of once per micro-batch when the step needs more than one (:mod:`.shared_prefix`): the tries hold the tokens after
-it and attend to its cached keys/values, whose gradient goes back through it after the last
-micro-batch.
+per step instead of once per micro-batch when the step needs more than one
+(:mod:`.shared_prefix`): the tries hold the tokens after it and attend to its cached keys/values,
+whose gradient goes back through it after the last micro-batch.
 """
 
 from __future__ import annotations
