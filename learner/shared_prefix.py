@@ -41,11 +41,10 @@ from boltstream.inference import kv_cache
 
 from .config import StepConfig
 from .prefix_tree import build_tree
-from .tree_step import causal_model, tree_inputs, tree_problem
+from .tree_step import PROBE_TOLERANCE, causal_model, probe_mismatch, probe_tokens, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
 
-PROBE_TOLERANCE = 1e-3  # as the tree probe: a prefix that is not seen moves the logits by O(1)
 
 
 def prefix_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -162,25 +161,19 @@ def probe_shared_prefix(model: torch.nn.Module) -> str | None:
     problem = shared_prefix_problem(model)
     if problem is not None:
         return problem
-    vocab = int(causal_model(model).get_input_embeddings().num_embeddings)
-    a, b, c = (1 % vocab, 2 % vocab, 3 % vocab)
+    a, b, c = probe_tokens(model)
     tree = build_tree([[b], [c]])
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
+
+    def from_prefix(device: torch.device) -> Any:
         prefix = SharedPrefix.run(model, torch.tensor([a]), chunk_size=1)
-        tree_logits = model(**prefixed_inputs(model, tree, prefix, device), use_cache=False).logits[0]
-        flat_logits = model(input_ids=torch.tensor([[a, c]], device=device), use_cache=False).logits[0]
+        return model(**prefixed_inputs(model, tree, prefix, device), use_cache=False)
+
+    try:
+        diff = probe_mismatch(model, from_prefix, int(tree.node_index[1][0]), [a, c])
     except Exception as exc:  # any failure means: no shared prefix
         return f"a forward from a shared prefix's cached keys/values failed: {type(exc).__name__}: {exc}"
-    finally:
-        model.train(was_training)
-    node_c = int(tree.node_index[1][0])
-    diff = float((tree_logits[node_c].float() - flat_logits[1].float()).abs().max())
-    scale = max(1.0, float(flat_logits[1].float().abs().max()))
-    if diff > PROBE_TOLERANCE * scale:
-        return f"a forward from a shared prefix's cached keys/values differs from the plain one by {diff:.3g}"
+    if diff > PROBE_TOLERANCE:
+        return f"a forward from a shared prefix's cached keys/values differs from the plain one by {diff:.3g} (relative)"
     return None
 
 

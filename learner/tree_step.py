@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -108,25 +110,41 @@ def probe_tree_support(model: torch.nn.Module) -> str | None:
     problem = tree_problem(model)
     if problem is not None:
         return problem
-    vocab = int(causal_model(model).get_input_embeddings().num_embeddings)
-    a, b, c = (1 % vocab, 2 % vocab, 3 % vocab)
+    a, b, c = probe_tokens(model)
     tree = build_tree([[a, b], [a, c]])
+    try:
+        diff = probe_mismatch(model, lambda device: model(**tree_inputs(model, tree, device), use_cache=False),
+                              int(tree.node_index[1][1]), [a, c])
+    except Exception as exc:  # any failure means: run flat
+        return f"a forward with a 4-D tree mask failed: {type(exc).__name__}: {exc}"
+    if diff > PROBE_TOLERANCE:
+        return f"the model ignores a custom 4-D attention mask (probe logits differ by {diff:.3g}, relative)"
+    return None
+
+
+def probe_tokens(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Three distinct token ids every vocabulary has, for the probes."""
+    vocab = int(causal_model(model).get_input_embeddings().num_embeddings)
+    return 1 % vocab, 2 % vocab, 3 % vocab
+
+
+@torch.no_grad()
+def probe_mismatch(model: torch.nn.Module, tree_forward: Callable[[torch.device], Any], node: int,
+                   flat_ids: Sequence[int]) -> float:
+    """How far the logits of trie node ``node`` (``tree_forward(device)``'s output, run in eval mode)
+    are from the last position of the plain sequence ``flat_ids``: the largest difference over the
+    flat logits' scale (at least 1). A probe's forward raises what it raises; the training mode is
+    restored either way."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        tree_logits = model(**tree_inputs(model, tree, device), use_cache=False).logits[0]
-        flat_logits = model(input_ids=torch.tensor([[a, c]], device=device), use_cache=False).logits[0]
-    except Exception as exc:  # any failure means: run flat
-        return f"a forward with a 4-D tree mask failed: {type(exc).__name__}: {exc}"
+        tree_logits = tree_forward(device).logits[0]
+        flat_logits = model(input_ids=torch.tensor([list(flat_ids)], device=device), use_cache=False).logits[0]
     finally:
         model.train(was_training)
-    node_c = int(tree.node_index[1][1])
-    diff = float((tree_logits[node_c].float() - flat_logits[1].float()).abs().max())
-    scale = max(1.0, float(flat_logits[1].float().abs().max()))
-    if diff > PROBE_TOLERANCE * scale:
-        return f"the model ignores a custom 4-D attention mask (probe logits differ by {diff:.3g})"
-    return None
+    flat = flat_logits[-1].float()
+    return float((tree_logits[node].float() - flat).abs().max()) / max(1.0, float(flat.abs().max()))
 
 
 def resolve_prefix_tree(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
