@@ -27,6 +27,7 @@ from boltstream.malloc import keep_heap_for_requests
 log = logging.getLogger(__name__)
 
 BACKENDS = ("transformers", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,9 @@ class ServeConfig:
     backend: str = opt("transformers", "transformers (CPU) or vllm (GPU, extra [vllm])", choices=BACKENDS)
     lora: bool = opt(False, "expect LoRA checkpoints (vLLM: enable_lora)")
     max_lora_rank: int = opt(64, "vLLM: largest LoRA rank to accept")
-    dtype: str | None = opt(None, "torch dtype for the weights, e.g. bfloat16 (default: the checkpoint's)")
+    dtype: str | None = opt(None, "torch dtype of the weights: float32, bfloat16, float16, or auto (bfloat16 where "
+                                  "the device computes it natively, e.g. a CPU with AVX512-BF16; else the "
+                                  "checkpoint's) (default: the checkpoint's)", choices=DTYPES)
     device: str = opt("cpu", "transformers backend device")
     seed: int = opt(0, "seed of the tiny model's random weights")
     max_batch_size: int = opt(16, "most sequences decoded together")
@@ -84,6 +87,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", self.port, "must be 0-65535 (0: any free port)")
         if self.max_batch_size < 1:
@@ -145,10 +150,13 @@ def build_backend(cfg: ServeConfig) -> Any:
     import transformers
 
     from boltstream.inference.transformers_backend import TransformersBackend
-    from boltstream.weights.models import load_model
+    from boltstream.weights.models import load_model, resolve_dtype
 
     transformers.utils.logging.disable_progress_bar()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    if cfg.dtype == "auto":
+        log.info("--dtype auto: serving in %s", dtype or "the checkpoint's dtype")
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, seed=cfg.seed)
     return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
                                max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
                                max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs),

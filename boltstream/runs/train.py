@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load
+from boltstream.inference.cli import DTYPES
 from boltstream.learner.config import LearnerConfig
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--out", type=Path, default=None, help="output folder")
     a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
     a("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    a("--serve-dtype", default=None, choices=DTYPES,
+      help="the inference worker's dtype (default auto: bfloat16 on a CPU with native bf16, else the checkpoint's)")
     a("--group-size", type=int, default=None,
       help=f"attempts per task (GRPO group), for the runner and the stream app (default {DEFAULT_GROUP_SIZE})")
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
@@ -93,6 +96,7 @@ def config_from_args(args: argparse.Namespace, default_out: Path, **given: Any) 
                  "time_budget_s": args.time_budget, "group_size": args.group_size,
                  "eval_samples": args.eval_samples, "eval_tasks": args.eval_tasks,
                  "tasks_per_version": args.tasks_per_version, "lora": False if args.full else None,
+                 "serve_dtype": args.serve_dtype,
                  "roles": args.roles, "frozen_roles": args.frozen_roles}
     learner = {**given.pop("learner", {}), **_given(args, LEARNER_SETTINGS)}
     stream = {**given.pop("stream", {}), **_given(args, STREAM_SETTINGS)}

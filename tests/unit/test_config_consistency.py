@@ -80,7 +80,7 @@ def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> No
     # component gets: nothing is copied, so nothing can drift.
     assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora"]))
     assert values(train_started(run_cfg, "stream")) == values(resolve("stream", []))
-    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora"]))
+    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "auto"]))
 
 
 def another_value(knob: Knob, tmp_path: Path) -> Any:

@@ -65,3 +65,14 @@ def test_prefix_cache_budget_flag_env_default_and_refusal() -> None:
     assert _cfg([], env={"BOLTSTREAM_SERVE_PREFIX_CACHE_MIB": "64"}).prefix_cache_mib == 64
     with pytest.raises(ConfigError, match="prefix_cache_mib"):
         _cfg(["--prefix-cache-mib", "-1"])
+
+
+def test_dtype_flag_env_and_refusal() -> None:
+    assert _cfg([]).dtype is None and _cfg(["--dtype", "auto"]).dtype == "auto"
+    assert _cfg([], env={"BOLTSTREAM_SERVE_DTYPE": "bfloat16"}).dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="BOLTSTREAM_SERVE_DTYPE='bf16': one of auto, float32"):
+        _cfg([], env={"BOLTSTREAM_SERVE_DTYPE": "bf16"})
+    with pytest.raises(ConfigError, match="dtype"):
+        ServeConfig(dtype="bf16")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _cfg(["--dtype", "int8"])

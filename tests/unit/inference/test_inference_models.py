@@ -11,8 +11,10 @@ from boltstream.inference.chat import parse_tool_calls, render_prompt, template_
 from boltstream.inference.protocol import ApiError, TextStream
 from boltstream.weights.models import (
     byte_tokenizer,
+    cpu_has_native_bf16,
     load_model,
     model_dir,
+    resolve_dtype,
     smollm2_gguf_path,
     tiny_model_and_tokenizer,
 )
@@ -93,3 +95,21 @@ def test_templates_without_tool_support_get_tools_in_the_system_prompt() -> None
     assert "<tool_response>\n6\n</tool_response>" in prompt
     with pytest.raises(ApiError):
         render_prompt(tok, [{"role": "user", "content": 5}], None)
+
+
+GENOA = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+SKYLAKE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\nbugs\t\t: spectre_v1\n"
+SAPPHIRE = "flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+
+
+def test_native_bf16_is_read_from_the_cpu_flags() -> None:
+    assert cpu_has_native_bf16(GENOA) and cpu_has_native_bf16(SAPPHIRE)
+    assert not cpu_has_native_bf16(SKYLAKE) and not cpu_has_native_bf16("")
+    # the word in another line (a model name, "bugs") is not a flag
+    assert not cpu_has_native_bf16("model name\t: avx512_bf16 edition\nflags\t\t: fpu\n")
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it() -> None:
+    assert resolve_dtype("auto", "cpu", GENOA) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", SKYLAKE) is None  # the checkpoint's dtype
+    assert resolve_dtype("float32", "cpu", GENOA) == "float32" and resolve_dtype(None, "cpu", GENOA) is None
