@@ -66,6 +66,9 @@ class PipelineConfig:
     # most of a step on CPU, runs ~1.4x faster); the learner keeps float32 and sees the rounding as a
     # small off-policy gap in the PPO ratio (docs/results.md).
     serve_dtype: str | None = "auto"
+    # Partitions per topic of the embedded stack (None: the stack's default). With one, the runner takes
+    # the tasks in the training file's order.
+    partitions: int | None = None
     group_size: int | None = None  # runner and stream app (default: theirs, DEFAULT_GROUP_SIZE)
     steps: int = 8
     time_budget_s: float = 840.0
@@ -88,7 +91,7 @@ class PipelineConfig:
     frozen_roles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "steps", "runner_workers", "eval_samples"):
+        for name in ("group_size", "steps", "runner_workers", "eval_samples", "partitions"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BoltstreamError(f"{name} must be >= 1, got {value}")

@@ -109,13 +109,13 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _stack(out: Path, external: bool) -> Iterator[tuple[Settings, Path | None]]:
+def _stack(out: Path, external: bool, partitions: int | None) -> Iterator[tuple[Settings, Path | None]]:
     if external:
         yield load(Settings), None
         return
     from boltstream.stack import embedded_stack
 
-    with embedded_stack(out / "stack") as settings:
+    with embedded_stack(out / "stack", partitions=partitions) as settings:
         yield settings, Path(settings.state_file)
 
 
@@ -159,7 +159,7 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     if not external:  # a new embedded stack: spans spooled for an earlier run's broker mean nothing here
         shutil.rmtree(out / "spool", ignore_errors=True)
     phase("starting the embedded stack" if not external else "connecting to the broker")
-    with trackers_closed(trackers), _stack(out, external) as (settings, state_file):
+    with trackers_closed(trackers), _stack(out, external, cfg.partitions) as (settings, state_file):
         env = component_env(settings, state_file, cfg.extra_env)
         procs = Processes(out / "logs", env)
         try:

@@ -5,6 +5,7 @@ TLS stack in test_secure_pipeline.py."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -110,6 +111,11 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     assert runs["pipeline"].data.params["learner/lr"] == "0.001"
     assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
     assert runs["policy"].data.params["groups_per_step"] == str(DEMO_GROUPS_PER_STEP)
+    # one partition: the runner takes the tasks in the file's order, so every step holds each operation equally
+    ops = {t["id"]: t["op"] for t in read_jsonl(out / "data" / "train.jsonl")}
+    for r in rows:
+        held = collections.Counter(ops[b.split(":")[0]] for b in r["batch_ids"])
+        assert sorted(held.values()) == [DEMO_GROUPS_PER_STEP // 4] * 4, (r["step"], held)
     wandb_files = sorted((tracking / "wandb").glob("offline-run-*/run-*.wandb"))
     by_name = {run["name"]: run for run in map(wandb_run_file, wandb_files)}
     assert set(by_name) == {"policy", "pipeline"}
