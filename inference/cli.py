@@ -55,6 +55,9 @@ class ServeConfig:
     max_batch_size: int = opt(16, "most sequences decoded together")
     batch_window_ms: float = opt(2.0, "how long to collect concurrent requests into a batch")
     max_context: int | None = opt(None, "context limit in tokens (default: the model's)")
+    merge_lora: bool = opt(True, "transformers backend: serve the policy's LoRA checkpoints merged into a copy of "
+                                 "the base weights (faster decoding; one more copy of the weights; several "
+                                 "--adapters are always served unmerged)")
     prefix_cache_mib: int = opt(256, "transformers backend: MiB of prompt KV kept for reuse by later requests "
                                      "(0: off; the vLLM backend uses vLLM's own prefix caching)")
     default_max_tokens: int = opt(256, "max_tokens when a request gives none")
@@ -160,7 +163,7 @@ def build_backend(cfg: ServeConfig) -> Any:
     return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
                                max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
                                max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs),
-                               prefix_cache_bytes=cfg.prefix_cache_mib << 20)
+                               prefix_cache_bytes=cfg.prefix_cache_mib << 20, merge_lora=cfg.merge_lora)
 
 
 def build_app(cfg: ServeConfig, workdir: Path) -> Any:

@@ -83,9 +83,11 @@ class TransformersBackend(WeightSwapping):
         max_context: int | None = None,
         adapters: tuple[str, ...] = (),
         prefix_cache_bytes: int = 0,
+        merge_lora: bool = False,
     ) -> None:
         self.model_name = model_name
         self.adapters = tuple(adapters)
+        self.merge_lora = merge_lora  # the one policy's LoRA checkpoints: merged copies (inference/weights.py)
         self.tokenizer = tokenizer
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window = max(0.0, batch_window_ms) / 1000.0

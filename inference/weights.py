@@ -6,7 +6,9 @@ per batch, so:
 
 * full weights are loaded into a NEW model object in another thread and the
   reference is swapped; a running batch finishes on the object it holds;
-* LoRA adapters live in two alternating slots: a new adapter goes into the slot
+* the one policy's LoRA adapters are merged into a new copy of the base weights
+  (``merge_lora``, the default of ``boltstream serve``), swapped like full weights;
+* otherwise (several named adapters, or ``--no-merge-lora``) LoRA adapters live in two alternating slots: a new adapter goes into the slot
   the current policy does not use. If it has the same shape as that slot's
   previous adapter (the usual case), its tensors are copied in right away,
   next to a running batch that uses the other slot (~60 ms for SmolLM2 r=16);
@@ -60,6 +62,7 @@ class WeightSwapping:
 
     _base: Any
     _peft: Any
+    merge_lora: bool
     _policies: dict[str | None, Policy]
     adapters: tuple[str, ...]
     _batch_policy: Policy | None
@@ -87,6 +90,9 @@ class WeightSwapping:
                 raise CheckpointError(f"adapter {key!r}: a full checkpoint cannot be served as one of several "
                                       "adapters on a shared base model; publish LoRA checkpoints (kind 'lora')")
             model = await loop.run_in_executor(None, self._load_full, path)
+            self._policies[key] = Policy(model, version)
+        elif kind == "lora" and self.merge_lora and key is None:
+            model = await loop.run_in_executor(None, self._merged_lora, path)
             self._policies[key] = Policy(model, version)
         elif kind == "lora":
             slots = lora_slots(key)
@@ -137,6 +143,25 @@ class WeightSwapping:
             return self._slot_shapes.get(slot) == self._lora_shape(path)
         except (OSError, ValueError):
             return False
+
+    def _merged_lora(self, path: Path) -> Any:
+        """A new model object: a copy of the base weights with the adapter at ``path`` merged in.
+
+        Decoding then runs plain linear layers (on CPU ~1.3x faster than PEFT's unmerged ones, which
+        add two small matmuls per layer per token), and a running batch keeps the object it holds,
+        as with full checkpoints. Costs one copy of the base weights per version being served."""
+        import copy
+
+        import torch
+        from peft import PeftModel
+
+        with torch.inference_mode(False):
+            base = copy.deepcopy(self._base)
+            try:
+                model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"adapter {path} does not fit the model: {exc}") from exc
+        return model.eval()
 
     def _copy_lora(self, path: Path, slot: str) -> None:
         """Copy an adapter's tensors into ``slot`` (~60 ms for SmolLM2 r=16), checking every one fits."""

@@ -170,8 +170,9 @@ async def test_lora_adapters_swap_between_batches(tmp_path: Path) -> None:
         await backend.stop()
 
 
-async def test_lora_in_flight_batch_finishes_on_its_adapter(tmp_path: Path) -> None:
-    backend = await _started(_fresh(0, max_batch_size=1))
+@pytest.mark.parametrize("merge_lora", [False, True])
+async def test_lora_in_flight_batch_finishes_on_its_adapter(tmp_path: Path, merge_lora: bool) -> None:
+    backend = await _started(_fresh(0, max_batch_size=1, merge_lora=merge_lora))
     try:
         await backend.load_weights(_adapter(0, 1, tmp_path / "a1"), "lora", 1)
         expected_v1 = await _greedy(backend)
@@ -183,6 +184,40 @@ async def test_lora_in_flight_batch_finishes_on_its_adapter(tmp_path: Path) -> N
         old = await long
         assert old.policy_version == 1 and old.completions[0].token_ids[:20].tolist() == expected_v1
         assert (await _greedy(backend)) != expected_v1
+    finally:
+        await backend.stop()
+
+
+async def test_merged_lora_serves_what_the_unmerged_adapter_does(tmp_path: Path) -> None:
+    slots, merged = await _started(_fresh(0)), await _started(_fresh(0, merge_lora=True))
+    base = {k: v.clone() for k, v in merged._base.state_dict().items()}
+    try:
+        for version, (seed, rank) in enumerate([(1, 4), (2, 8), (3, 4)], start=1):
+            adapter = _adapter(0, seed, tmp_path / f"a{version}", r=rank)
+            await slots.load_weights(adapter, "lora", version)
+            await merged.load_weights(adapter, "lora", version)
+            a, b = (await asyncio.gather(*(x.generate(PROMPT, SamplingParams(0.7, 1.0, 16, seed=3))
+                                           for x in (slots, merged))))
+            assert a.policy_version == b.policy_version == version
+            assert a.completions[0].token_ids.tolist() == b.completions[0].token_ids.tolist()
+            assert b.completions[0].logprobs == pytest.approx(a.completions[0].logprobs, abs=1e-4)
+        assert merged._peft is None  # never injected: the base object serves version 0 unchanged
+        assert all(torch.equal(v, base[k]) for k, v in merged._base.state_dict().items())
+    finally:
+        await slots.stop()
+        await merged.stop()
+
+
+async def test_merged_lora_refuses_an_adapter_of_another_model(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    other, _ = tiny_model_and_tokenizer(0, hidden_size=32)
+    get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "other")
+    backend = await _started(_fresh(0, merge_lora=True))
+    try:
+        with pytest.raises(CheckpointError, match="does not fit the model"):
+            await backend.load_weights(tmp_path / "other", "lora", 1)
+        assert backend.policy_version == 0 and (await _greedy(backend))  # still serving version 0
     finally:
         await backend.stop()
 
