@@ -8,12 +8,12 @@ per batch, so:
   reference is swapped; a running batch finishes on the object it holds;
 * the one policy's LoRA adapters are merged into a new copy of the base weights
   (``merge_lora``, the default of ``boltstream serve``), swapped like full weights;
-* otherwise (several named adapters, or ``--no-merge-lora``) LoRA adapters live in two alternating slots: a new adapter goes into the slot
-  the current policy does not use. If it has the same shape as that slot's
-  previous adapter (the usual case), its tensors are copied in right away,
-  next to a running batch that uses the other slot (~60 ms for SmolLM2 r=16);
-  a first adapter or a new shape changes modules, which happens in the
-  generation thread, between batches.
+* otherwise (several named adapters, or ``--no-merge-lora``) LoRA adapters live
+  in two alternating slots: a new adapter goes into the slot the current policy
+  does not use. If it has the same shape as that slot's previous adapter (the
+  usual case), its tensors are copied in right away, next to a running batch that
+  uses the other slot (~60 ms for SmolLM2 r=16); a first adapter or a new shape
+  changes modules, which happens in the generation thread, between batches.
 
 Every swap drops the policy's prefix cache (:mod:`boltstream.inference.prefix_cache`):
 KV computed by the old weights never serves the new ones.

@@ -19,9 +19,8 @@ from boltstream.runs.train import add_arguments, config_from_args, print_summary
 
 log = logging.getLogger(__name__)
 
-# Learner steps: on 2 quiet cores a step is 15-30 s of generation and learning (more as the policy learns
-# to make both calls) and each held-out evaluation ~1-1.5 minutes: 8 steps end within 6 minutes. 12 steps
-# took 474 s and learned no more on seed 0 (docs/results.md).
+# Learner steps: on 2 quiet cores a step is 22-36 s of generation and learning and each held-out
+# evaluation 30-60 s: 8 steps end within 6 minutes (docs/results.md).
 DEMO_STEPS = 8
 # Groups of 4 attempts per learner step: with bf16 generation 8 fit in the demo's 6 minutes, and learned
 # more than 4 on the seeds compared (docs/results.md).
