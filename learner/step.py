@@ -281,13 +281,14 @@ def accumulate_gradients(
     trained = samples
     if cfg.skip_zero_advantage and backward and backward_fn is None:
         trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
+    planned = groups
     if len(trained) < len(samples):
         groups = plan_micro_batches(trained, cfg, tree)
-        batches = [collate(g, cfg.pad_token_id) for g in groups]
     # One trie computes the shared prefix once already; only a step split over micro-batches gains.
     prefix_length = step_prefix_length(model, trained, cfg, backward_fn is not None) if tree and len(groups) > 1 else 0
     if prefix_length:
         groups = plan_micro_batches(trained, cfg, tree, prefix_length)
+    if groups is not planned:
         batches = [collate(g, cfg.pad_token_id) for g in groups]
     trees = [build_tree([as_tensor(s["token_ids"], torch.long)[prefix_length:] for s in g]) if tree else None
              for g in groups]
