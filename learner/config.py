@@ -66,6 +66,13 @@ class StepConfig:
                                             "with, before any loss token, of at least this many tokens, runs once "
                                             "per step and every micro-batch attends to its cached keys/values "
                                             "(0: off)")
+    # Short chains (the calculator demo's are ~40 tokens) cost more in per-chain calls than the masked pairs
+    # they would skip: docs/learner.md, Chains.
+    chain_attention_min_tokens: int = opt(64, "with --prefix-tree on CPU: when a trie's chains (runs of nodes that "
+                                              "each continue the node before) average at least this many nodes, "
+                                              "each chain runs as two maskless flash attention calls instead of "
+                                              "rows of the dense tree mask, skipping the masked pairs (0: off; "
+                                              "falls back to the mask, logged, where the model or torch cannot)")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
     pad_token_id: int = opt(0, cli=False)
@@ -80,8 +87,9 @@ class StepConfig:
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_size", "max_tree_mask_elements"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.shared_prefix_min_tokens < 0:
-            raise ConfigError("shared_prefix_min_tokens", self.shared_prefix_min_tokens, "must be >= 0")
+        for name in ("shared_prefix_min_tokens", "chain_attention_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0")
 
 
 # Every linear layer of the decoder (attention and MLP): with it at lr 1e-3 a bare loop lifted the
