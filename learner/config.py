@@ -66,6 +66,10 @@ class StepConfig:
                                             "with, before any loss token, of at least this many tokens, runs once "
                                             "per step and every micro-batch attends to its cached keys/values "
                                             "(0: off)")
+    shared_prefix_keep_tokens: int = opt(1024, "with a shared prefix: one of at most this many tokens keeps its "
+                                               "activations for the backward (one forward over it instead of two; "
+                                               "memory of that many more tokens); a longer one is recomputed chunk "
+                                               "by chunk (0: always)")
     # Short chains (the calculator demo's are ~40 tokens) cost more in per-chain calls than the masked pairs
     # they would skip: docs/learner.md, Chains.
     chain_attention_min_tokens: int = opt(64, "with --prefix-tree on CPU: when a trie's chains (runs of nodes that "
@@ -87,7 +91,7 @@ class StepConfig:
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_size", "max_tree_mask_elements"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
-        for name in ("shared_prefix_min_tokens", "chain_attention_min_tokens"):
+        for name in ("shared_prefix_min_tokens", "shared_prefix_keep_tokens", "chain_attention_min_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 0")
 

@@ -21,7 +21,9 @@ first loss token) runs once per step:
 
 Recomputing costs one more forward over ``P``; in exchange ``P``'s activations are never held
 while the micro-batches run, and never more than one chunk's at a time, so the step's peak memory
-is the micro-batch budget's, however long ``P`` is. The gradient is exact (the loss depends on
+is the micro-batch budget's, however long ``P`` is. A prefix of at most
+``StepConfig.shared_prefix_keep_tokens`` tokens skips that: its forward in step 1 runs with gradient
+and keeps its activations until step 3, which is then one backward from the keys and values. The gradient is exact (the loss depends on
 ``P``'s tokens only through their keys and values, and a chunk on the earlier chunks only through
 theirs), so the update equals the flat step's up to rounding.
 
@@ -86,11 +88,14 @@ class SharedPrefix:
     model: torch.nn.Module
     token_ids: torch.Tensor  # [P] long, on the model's device
     chunks: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor | None]]]  # (start, end, RNG state)
+    kept: list[torch.Tensor] = dataclasses.field(default_factory=list)  # P's keys/values, in the graph
 
     @classmethod
-    def run(cls, model: torch.nn.Module, token_ids: torch.Tensor, chunk_size: int) -> SharedPrefix:
-        """``P``'s forward (``token_ids`` 1-d) on ``model``'s decoder, without gradient, in chunks of
-        at most ``chunk_size`` tokens; the leaves require grad when grad mode is on."""
+    def run(cls, model: torch.nn.Module, token_ids: torch.Tensor, chunk_size: int, keep_tokens: int = 0
+            ) -> SharedPrefix:
+        """``P``'s forward (``token_ids`` 1-d) on ``model``'s decoder in chunks of at most ``chunk_size``
+        tokens; the leaves require grad when grad mode is on. Without gradient, unless grad mode is on
+        and ``P`` has at most ``keep_tokens`` tokens: then the graph is kept for :meth:`backward`."""
         decoder = prefix_decoder(model)
         if decoder is None:
             raise ValueError(shared_prefix_problem(model) or "no decoder")
@@ -99,15 +104,17 @@ class SharedPrefix:
         device = next(model.parameters()).device
         ids = token_ids.to(device)
         grad = torch.is_grad_enabled()
+        keep = grad and ids.shape[0] <= keep_tokens
         cache, chunks = None, []
-        with torch.no_grad():
+        with torch.set_grad_enabled(keep):
             for start in range(0, ids.shape[0], chunk_size):
                 end = min(start + chunk_size, ids.shape[0])
                 chunks.append((start, end, _rng_state(device)))
                 cache = _chunk_forward(decoder, ids, start, end, cache)
-        leaves = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
-                  for k, v in kv_cache.layers_of(cache)]
-        return cls(length=int(ids.shape[0]), leaves=leaves, model=model, token_ids=ids, chunks=chunks)
+        layers = kv_cache.layers_of(cache)
+        leaves = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)) for k, v in layers]
+        kept = [t for layer in layers for t in layer] if keep else []
+        return cls(length=int(ids.shape[0]), leaves=leaves, model=model, token_ids=ids, chunks=chunks, kept=kept)
 
     def cache(self) -> Any:
         """A fresh cache over the leaves for one forward (the forward appends the trie's own keys)."""
@@ -116,7 +123,15 @@ class SharedPrefix:
     def backward(self) -> None:
         """Push the gradient the micro-batches left in the leaves through ``P``'s forward into the
         weights (adding to their ``.grad``): each chunk, last first, recomputed with gradient from
-        the earlier chunks' leaves, backward from its own keys/values. Then drops the leaves."""
+        the earlier chunks' leaves, backward from its own keys/values; or, when the forward kept its
+        graph, one backward from all of ``P``'s keys/values. Then drops the leaves."""
+        if self.kept:
+            grads = [g for leaf in self.leaves for g in (leaf[0].grad, leaf[1].grad)]
+            pairs = [(t, g) for t, g in zip(self.kept, grads, strict=True) if g is not None and t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
+            self.leaves, self.chunks, self.kept = [], [], []
+            return
         decoder = prefix_decoder(self.model)
         device = self.token_ids.device
         for start, end, (cpu_state, cuda_state) in reversed(self.chunks):

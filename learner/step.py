@@ -306,7 +306,8 @@ def accumulate_gradients(
         prefix = ref_prefix = None
         if prefix_length:
             prefix_ids = as_tensor(trained[0]["token_ids"], torch.long)[:prefix_length].long()
-            prefix = SharedPrefix.run(model, prefix_ids, cfg.max_tokens_per_micro_batch)
+            prefix = SharedPrefix.run(model, prefix_ids, cfg.max_tokens_per_micro_batch,
+                                      cfg.shared_prefix_keep_tokens)
             if needs_reference(ref_model, cfg):
                 ref_prefix = _reference_prefix(model, ref_model, prefix_ids, cfg.max_tokens_per_micro_batch)
         for batch, trie in zip(batches, trees, strict=True):

@@ -81,13 +81,15 @@ def test_logprobs_and_gradients_from_a_shared_prefix_equal_flat(variant: str, at
     assert_grads_equal(grads(model), g_flat)
 
 
+@pytest.mark.parametrize("keep", [0, 9])  # 0: the prefix is recomputed for the backward; 9: its graph is kept
 @pytest.mark.parametrize("budget", [12, 4])  # 4: the 9-token prefix also runs in 3 chunks
 @pytest.mark.parametrize("variant", ["plain", "lora"])
-def test_a_step_split_into_micro_batches_computes_the_prefix_once_and_equals_flat(variant: str, budget: int) -> None:
+def test_a_step_split_into_micro_batches_computes_the_prefix_once_and_equals_flat(variant: str, budget: int,
+                                                                                  keep: int) -> None:
     samples = shared_prefix_samples(VOCAB, seed=2)
     model = make_model(variant, "sdpa")
     out = {}
-    on = dataclasses.replace(ON, max_tokens_per_micro_batch=budget)
+    on = dataclasses.replace(ON, max_tokens_per_micro_batch=budget, shared_prefix_keep_tokens=keep)
     for name, cfg in (("flat", StepConfig(prefix_tree=False, logprob_chunk_size=7)), ("shared", on),
                       ("tree", StepConfig(shared_prefix_min_tokens=0, max_tokens_per_micro_batch=12 + SYSTEM))):
         model.zero_grad(set_to_none=True)
@@ -137,11 +139,12 @@ def test_a_prefix_that_reaches_a_loss_token_is_not_shared() -> None:
     assert_grads_equal(g_shared, g_flat)
 
 
+@pytest.mark.parametrize("keep", [0, 8, 9])  # 8: one token short of the prefix, so it is recomputed
 @pytest.mark.parametrize("variant", ["plain", "lora"])
-def test_train_step_gives_the_flat_step_s_weights(variant: str) -> None:
+def test_train_step_gives_the_flat_step_s_weights(variant: str, keep: int) -> None:
     samples = shared_prefix_samples(VOCAB, seed=3)
     results = []
-    for cfg in (StepConfig(prefix_tree=False), ON):
+    for cfg in (StepConfig(prefix_tree=False), dataclasses.replace(ON, shared_prefix_keep_tokens=keep)):
         model = make_model(variant, "sdpa")
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
         cfg = dataclasses.replace(cfg, kl_coef=0.1 if variant == "lora" else 0.0)
@@ -190,3 +193,20 @@ def test_the_probe_passes_on_a_real_model_and_resolution_keeps_the_config() -> N
 def test_transformers_cache_passes_gradients_to_leaf_keys_and_values() -> None:
     """The cache internals the shared prefix relies on (boltstream.inference.kv_cache)."""
     kv_cache.check_gradient_api(tiny_llama(VOCAB, seed=1))
+
+
+@pytest.mark.parametrize(("keep", "forwards"), [(9, 1), (8, 2)])
+def test_a_short_prefix_keeps_its_graph_and_runs_once(monkeypatch: pytest.MonkeyPatch, keep: int,
+                                                      forwards: int) -> None:
+    """At most ``shared_prefix_keep_tokens`` tokens: one forward over the prefix, not a second for the backward."""
+    from boltstream.learner import shared_prefix
+
+    calls = []
+    real = shared_prefix._chunk_forward
+    monkeypatch.setattr(shared_prefix, "_chunk_forward", lambda decoder, ids, start, end, cache: calls.append(
+        (start, end, torch.is_grad_enabled())) or real(decoder, ids, start, end, cache))
+    model = make_model("lora", "sdpa")
+    accumulate_gradients(model, shared_prefix_samples(VOCAB, seed=2), dataclasses.replace(
+        ON, shared_prefix_keep_tokens=keep))
+    assert [(start, end) for start, end, _ in calls] == [(0, SYSTEM)] * forwards
+    assert calls[0][2] == (forwards == 1)  # kept: the forward ran with gradient
