@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
         [--agent-scale 10] [--agent-groups 1] [--agent-budget N] [--agent-tree-budget N]
-        [--flat-samples N] [--without-shared-prefix]
+        [--flat-samples N] [--without-shared-prefix] [--dense-mask]
 
 Samples of one agent share most of their tokens: the system prompt, the task's question across a
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
@@ -32,7 +32,8 @@ Shapes:
 tokens: the flat path runs every sample as its own sequence, so its cost is that of its samples,
 summed (the printed line says "scaled" and from how many samples; 0 runs every sample). The tree
 always runs the whole step. ``--without-shared-prefix`` adds a tree step with the shared prefix
-computed in each micro-batch (``shared_prefix_min_tokens=0``), for comparison.
+computed in each micro-batch (``shared_prefix_min_tokens=0``), ``--dense-mask`` one with every trie on
+the dense tree mask (``chain_attention_min_tokens=0``), for comparison.
 
 Prints per shape the time ratio, unique vs total tokens and peak RSS; JSON to
 benchmarks/results/prefix_tree.json.
@@ -125,10 +126,10 @@ def _timed_step(trainer: Any, lr: float, samples: list[dict[str, Any]], cfg: Any
 
 
 def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]], budget: int, steps: int, *,
-              tree_budget: int | None = None, flat_samples: int = 0, without_shared_prefix: bool = False
-              ) -> dict[str, Any]:
-    """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], flat step on the
-    first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
+              tree_budget: int | None = None, flat_samples: int = 0, without_shared_prefix: bool = False,
+              dense_mask: bool = False) -> dict[str, Any]:
+    """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], [tree step on the
+    dense mask], flat step on the first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
     from boltstream.learner.prefix_tree import shared_prefix_length
 
     base = trainer.step_cfg
@@ -144,6 +145,9 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
             row["tree_without_shared_prefix"] = _timed_step(trainer, lr, samples, dataclasses.replace(
                 tree_cfg, shared_prefix_min_tokens=0, max_tokens_per_micro_batch=tree_cfg.max_tokens_per_micro_batch
                 + prefix))
+        if dense_mask:
+            row["tree_dense_mask"] = _timed_step(trainer, lr, samples, dataclasses.replace(
+                tree_cfg, chain_attention_min_tokens=0))
         flat = _timed_step(trainer, lr, subset, flat_cfg)
         scale = total_tokens / flat["input_tokens"]
         flat.update(measured_seconds=flat["seconds"], scaled_by=round(scale, 4),
@@ -167,6 +171,11 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
             print(f"{name} step {step}: tree without the shared prefix: {w['unique_tokens']} unique tokens, "
                   f"{w['seconds']:.1f} s in {w['micro_batches']} micro-batches, peak RSS {w['peak_rss_mb']} MB: "
                   f"{flat['seconds'] / w['seconds']:.2f}x faster than flat", flush=True)
+        if dense_mask:
+            d = row["tree_dense_mask"]
+            print(f"{name} step {step}: tree on the dense mask: {d['seconds']:.1f} s, peak RSS {d['peak_rss_mb']} MB: "
+                  f"{flat['seconds'] / d['seconds']:.2f}x faster than flat; by chains {d['seconds'] / t['seconds']:.2f}x "
+                  f"faster than the dense mask", flush=True)
     trainer.step_cfg = base
     ratios = sorted(r["ratio"] for r in rows)
     return {"shape": name, "budget": budget, "tree_budget": tree_budget or budget, "samples": len(samples),
@@ -190,6 +199,8 @@ def main() -> int:
                          "(default: 5 for the agent shape, all for demo; 0: all)")
     ap.add_argument("--without-shared-prefix", action="store_true",
                     help="also time a tree step that computes the shared prefix in each micro-batch")
+    ap.add_argument("--dense-mask", action="store_true",
+                    help="also time a tree step with every trie on the dense tree mask (no chains)")
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
@@ -212,19 +223,23 @@ def main() -> int:
             shapes.append(run_shape(trainer, cfg.lr, "demo", demo_samples(trainer.tokenizer, 0),
                                     cfg.step.max_tokens_per_micro_batch, args.steps,
                                     flat_samples=args.flat_samples or 0,
-                                    without_shared_prefix=args.without_shared_prefix))
+                                    without_shared_prefix=args.without_shared_prefix, dense_mask=args.dense_mask))
         elif shape == "agent":
             samples = agent_samples(vocab_size(trainer.model), 0, scale=args.agent_scale, groups=args.agent_groups)
             longest = max(len(s["token_ids"]) for s in samples)
             budget = args.agent_budget or -(-longest // 1024) * 1024 * 2
             prefix = shared_prefix_length(samples, trainer.step_cfg.shared_prefix_min_tokens)
             tree_budget = args.agent_tree_budget or -(-(longest - prefix) // 256) * 256
-            print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens, "
-                  f"flat budget {budget}, tree budget {tree_budget} unique tokens after it", flush=True)
+            step = trainer.step_cfg
+            print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens "
+                  f"({'kept' if prefix <= step.shared_prefix_keep_tokens else 'recomputed'} for the backward), "
+                  f"flat budget {budget}, tree budget {tree_budget} unique tokens after it, chains "
+                  f"{'from ' + str(step.chain_attention_min_tokens) + ' tokens' if step.chain_attention_min_tokens else 'off'}",
+                  flush=True)
             shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps,
                                     tree_budget=tree_budget,
                                     flat_samples=5 if args.flat_samples is None else args.flat_samples,
-                                    without_shared_prefix=args.without_shared_prefix))
+                                    without_shared_prefix=args.without_shared_prefix, dense_mask=args.dense_mask))
         else:
             ap.error(f"unknown shape {shape!r}")
     for s in shapes:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+# float32 rounding (the kernel's block order follows the thread count) stays ~1e-7; other semantics move O(1)
+TOLERANCE = 1e-4
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 
@@ -43,9 +45,9 @@ class _VisibleThenCausal(torch.autograd.Function):
         forward, _ = _ops()
         out_vis, lse_vis = forward(q, k_vis, v_vis, 0.0, False, scale=scale)
         out_own, lse_own = forward(q, k_own, v_own, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_vis, lse_own)
-        out = (out_vis * torch.exp(lse_vis - lse).unsqueeze(-1).to(out_vis.dtype)
-               + out_own * torch.exp(lse_own - lse).unsqueeze(-1).to(out_own.dtype))
+        lse = torch.logaddexp(lse_vis, lse_own)  # float32, as the kernel returns it: the merge too
+        out = (out_vis.float() * torch.exp(lse_vis - lse).unsqueeze(-1)
+               + out_own.float() * torch.exp(lse_own - lse).unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k_vis, v_vis, k_own, v_own, out, lse)
         ctx.scale = scale
         return out
@@ -84,21 +86,21 @@ def problem() -> str | None:
 
 
 def _mismatch() -> str | None:
-    """The largest difference of a small case (values and gradients, float64) from sdpa's dense mask."""
+    """Why a small case (values and gradients) differs from sdpa's dense mask, or None."""
     gen = torch.Generator().manual_seed(0)
-    q, k_vis, v_vis, k_own, v_own = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64,
-                                                 requires_grad=True) for n in (5, 7, 7, 5, 5))
+    q, k_vis, v_vis, k_own, v_own = (torch.randn(1, 2, n, 8, generator=gen, requires_grad=True)
+                                     for n in (5, 7, 7, 5, 5))
     scale = 8 ** -0.5
     mask = torch.cat([torch.ones(5, 7, dtype=torch.bool), torch.ones(5, 5, dtype=torch.bool).tril()], dim=1)
     want = torch.nn.functional.scaled_dot_product_attention(
         q, torch.cat([k_vis, k_own], 2), torch.cat([v_vis, v_own], 2), attn_mask=mask, scale=scale)
     got = visible_then_causal(q, k_vis, v_vis, k_own, v_own, scale)
     inputs = (q, k_vis, v_vis, k_own, v_own)
-    seed = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    seed = torch.randn(want.shape, generator=gen)
     grads_want = torch.autograd.grad(want, inputs, seed)
     grads_got = torch.autograd.grad(got, inputs, seed)
     pairs = zip((got, *grads_got), (want, *grads_want), strict=True)
     worst = max(float((a - b).detach().abs().max()) for a, b in pairs)
-    if worst > 1e-8:
+    if worst > TOLERANCE:
         return f"torch {torch.__version__}'s CPU flash attention merged in two parts differs by {worst:.3g}"
     return None

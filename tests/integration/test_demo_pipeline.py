@@ -111,6 +111,7 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     assert runs["pipeline"].data.params["learner/lr"] == "0.001"
     assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
     assert runs["policy"].data.params["groups_per_step"] == str(DEMO_GROUPS_PER_STEP)
+    assert [r["lr"] for r in rows] == [pytest.approx(1e-3)] * 2  # no warmup: the demo's lr from the first step
     # one partition: the runner takes the tasks in the file's order, so every step holds each operation equally
     ops = {t["id"]: t["op"] for t in read_jsonl(out / "data" / "train.jsonl")}
     for r in rows:
