@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
         [--agent-scale 10] [--agent-groups 1] [--agent-budget N] [--agent-tree-budget N]
-        [--flat-samples N] [--without-shared-prefix] [--dense-mask]
+        [--flat-samples N] [--without-shared-prefix] [--dense-mask] [--keep-prefix-tokens N] [--chain-min-tokens N]
 
 Samples of one agent share most of their tokens: the system prompt, the task's question across a
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
@@ -33,7 +33,10 @@ tokens: the flat path runs every sample as its own sequence, so its cost is that
 summed (the printed line says "scaled" and from how many samples; 0 runs every sample). The tree
 always runs the whole step. ``--without-shared-prefix`` adds a tree step with the shared prefix
 computed in each micro-batch (``shared_prefix_min_tokens=0``), ``--dense-mask`` one with every trie on
-the dense tree mask (``chain_attention_min_tokens=0``), for comparison.
+the dense tree mask (``chain_attention_min_tokens=0``), for comparison. ``--keep-prefix-tokens N`` sets
+``shared_prefix_keep_tokens`` for every tree step (a shared prefix up to N tokens keeps its activations
+instead of a second forward: faster, by that many tokens' more memory); ``--chain-min-tokens N`` sets
+``chain_attention_min_tokens`` (e.g. 1 runs the demo shape's short chains by chains too).
 
 Prints per shape the time ratio, unique vs total tokens and peak RSS; JSON to
 benchmarks/results/prefix_tree.json.
@@ -201,6 +204,10 @@ def main() -> int:
                     help="also time a tree step that computes the shared prefix in each micro-batch")
     ap.add_argument("--dense-mask", action="store_true",
                     help="also time a tree step with every trie on the dense tree mask (no chains)")
+    ap.add_argument("--keep-prefix-tokens", type=int, default=None,
+                    help="shared_prefix_keep_tokens of the tree steps (default: the learner's)")
+    ap.add_argument("--chain-min-tokens", type=int, default=None,
+                    help="chain_attention_min_tokens of the tree steps (default: the learner's)")
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
@@ -212,6 +219,10 @@ def main() -> int:
     cfg = demo_learner_config(args.model, pinned=True)
     pin_mmap_threshold(cfg.malloc_mmap_threshold_kb)
     trainer = make_trainer(cfg)
+    if args.keep_prefix_tokens is not None:
+        trainer.step_cfg = dataclasses.replace(trainer.step_cfg, shared_prefix_keep_tokens=args.keep_prefix_tokens)
+    if args.chain_min_tokens is not None and trainer.step_cfg.chain_attention_min_tokens:  # 0: the model cannot
+        trainer.step_cfg = dataclasses.replace(trainer.step_cfg, chain_attention_min_tokens=args.chain_min_tokens)
     if not trainer.step_cfg.prefix_tree:
         print("the model cannot run prefix trees (see the log): nothing to compare")
         return 1
