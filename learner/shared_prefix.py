@@ -95,7 +95,8 @@ class SharedPrefix:
             ) -> SharedPrefix:
         """``P``'s forward (``token_ids`` 1-d) on ``model``'s decoder in chunks of at most ``chunk_size``
         tokens; the leaves require grad when grad mode is on. Without gradient, unless grad mode is on
-        and ``P`` has at most ``keep_tokens`` tokens: then the graph is kept for :meth:`backward`."""
+        and ``P`` has at most ``keep_tokens`` tokens: then in one piece, its graph kept for
+        :meth:`backward`."""
         decoder = prefix_decoder(model)
         if decoder is None:
             raise ValueError(shared_prefix_problem(model) or "no decoder")
@@ -105,10 +106,11 @@ class SharedPrefix:
         ids = token_ids.to(device)
         grad = torch.is_grad_enabled()
         keep = grad and ids.shape[0] <= keep_tokens
+        size = ids.shape[0] if keep else chunk_size  # kept, every chunk's activations stay: one causal forward
         cache, chunks = None, []
         with torch.set_grad_enabled(keep):
-            for start in range(0, ids.shape[0], chunk_size):
-                end = min(start + chunk_size, ids.shape[0])
+            for start in range(0, ids.shape[0], size):
+                end = min(start + size, ids.shape[0])
                 chunks.append((start, end, _rng_state(device)))
                 cache = _chunk_forward(decoder, ids, start, end, cache)
         layers = kv_cache.layers_of(cache)

@@ -195,10 +195,11 @@ def test_transformers_cache_passes_gradients_to_leaf_keys_and_values() -> None:
     kv_cache.check_gradient_api(tiny_llama(VOCAB, seed=1))
 
 
-@pytest.mark.parametrize(("keep", "forwards"), [(9, 1), (8, 2)])
+@pytest.mark.parametrize(("keep", "chunks"), [(9, [(0, 9)]), (8, [(0, 4), (4, 8), (8, 9), (8, 9), (4, 8), (0, 4)])])
 def test_a_short_prefix_keeps_its_graph_and_runs_once(monkeypatch: pytest.MonkeyPatch, keep: int,
-                                                      forwards: int) -> None:
-    """At most ``shared_prefix_keep_tokens`` tokens: one forward over the prefix, not a second for the backward."""
+                                                      chunks: list[tuple[int, int]]) -> None:
+    """At most ``shared_prefix_keep_tokens`` tokens: one forward over the prefix, in one piece (the budget
+    of 4 would chunk it), not a second for the backward (last chunk first)."""
     from boltstream.learner import shared_prefix
 
     calls = []
@@ -207,6 +208,6 @@ def test_a_short_prefix_keeps_its_graph_and_runs_once(monkeypatch: pytest.Monkey
         (start, end, torch.is_grad_enabled())) or real(decoder, ids, start, end, cache))
     model = make_model("lora", "sdpa")
     accumulate_gradients(model, shared_prefix_samples(VOCAB, seed=2), dataclasses.replace(
-        ON, shared_prefix_keep_tokens=keep))
-    assert [(start, end) for start, end, _ in calls] == [(0, SYSTEM)] * forwards
-    assert calls[0][2] == (forwards == 1)  # kept: the forward ran with gradient
+        ON, shared_prefix_keep_tokens=keep, max_tokens_per_micro_batch=4))
+    assert [(start, end) for start, end, _ in calls] == chunks
+    assert calls[0][2] == (keep == SYSTEM)  # kept: the forward ran with gradient
