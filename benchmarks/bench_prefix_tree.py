@@ -49,6 +49,7 @@ import dataclasses
 import json
 import platform
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -180,10 +181,11 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
                   f"{flat['seconds'] / d['seconds']:.2f}x faster than flat; by chains {d['seconds'] / t['seconds']:.2f}x "
                   f"faster than the dense mask", flush=True)
     trainer.step_cfg = base
-    ratios = sorted(r["ratio"] for r in rows)
+    ratios = [r["ratio"] for r in rows]
     return {"shape": name, "budget": budget, "tree_budget": tree_budget or budget, "samples": len(samples),
             "flat_samples": len(subset), "flat_scaled": len(subset) < len(samples), "steps": rows,
-            "median_ratio": ratios[len(ratios) // 2]}
+            "median_ratio": round(statistics.median(ratios), 2),
+            "overall_ratio": round(sum(r["flat"]["seconds"] for r in rows) / sum(r["tree"]["seconds"] for r in rows), 2)}
 
 
 def main() -> int:
@@ -256,8 +258,9 @@ def main() -> int:
     for s in shapes:
         t = s["steps"][0]
         scaled = f", flat scaled from {s['flat_samples']} of {s['samples']} samples" if s["flat_scaled"] else ""
-        print(f"learner step, {s['shape']} shape: tree {s['median_ratio']:.2f}x faster than flat "
-              f"({t['tree']['input_tokens']} tokens, {t['tree']['unique_tokens']} unique; peak RSS tree "
+        print(f"learner step, {s['shape']} shape: tree {s['median_ratio']:.2f}x faster than flat (median of "
+              f"{len(s['steps'])} steps, {s['overall_ratio']:.2f}x in total; "
+              f"{t['tree']['input_tokens']} tokens, {t['tree']['unique_tokens']} unique; peak RSS tree "
               f"{t['tree']['peak_rss_mb']} MB, flat {t['flat']['peak_rss_mb']} MB{scaled})")
     RESULTS.mkdir(exist_ok=True)
     out = {"benchmark": "prefix_tree", "machine": platform.node(), "args": vars(args), "shapes": shapes}
