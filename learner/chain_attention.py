@@ -24,10 +24,19 @@ from typing import Any
 import torch
 
 from . import flash_cpu
+from .prefix_tree import build_tree
+from .tree_step import CHAINS as NAME
+from .tree_step import (
+    PROBE_TOLERANCE,
+    attention_implementation,
+    causal_model,
+    probe_mismatch,
+    probe_tokens,
+    tree_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
-NAME = "boltstream_chains"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +127,11 @@ def register() -> None:
 
 def installed(model: torch.nn.Module) -> bool:
     """Whether ``model``'s forwards take ``chain_plan``."""
-    from .tree_step import attention_implementation
-
     return attention_implementation(model) == NAME
 
 
 def install(model: torch.nn.Module) -> str | None:
     """Switch ``model`` (sdpa attention, on CPU) to :data:`NAME`; returns why not, or None."""
-    from .tree_step import attention_implementation, causal_model
-
     impl = attention_implementation(model)
     if impl == NAME:
         return None
@@ -149,9 +154,6 @@ def probe(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run by chains, or None: :func:`install`, then the trie ``a -> b -> c,
     a -> c`` (two chains, the second seeing the first's ``a``) run by chains, compared with the
     plain sequence ``a c``."""
-    from .prefix_tree import build_tree
-    from .tree_step import PROBE_TOLERANCE, probe_mismatch, probe_tokens, tree_inputs
-
     problem = install(model)
     if problem is not None:
         return problem
@@ -172,8 +174,6 @@ def resolve_chain_attention(model: torch.nn.Module, cfg: Any) -> Any:
     """``cfg`` (a :class:`.config.StepConfig`) as ``model`` can run it: chains off (logged
     once, with the reason, and the model's attention back to sdpa) when :func:`probe` finds a problem.
     Called once when a trainer is built, after :func:`.tree_step.resolve_prefix_tree`."""
-    from .tree_step import causal_model
-
     if not cfg.prefix_tree or not cfg.chain_attention_min_tokens:
         return cfg
     problem = probe(model)

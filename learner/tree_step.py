@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
-from .chain_attention import NAME as CHAINS
 from .config import StepConfig
 from .prefix_tree import PrefixTree, build_tree
 
 logger = logging.getLogger(__name__)
 
+# sdpa's attention with trie chains run maskless (.chain_attention registers it with transformers)
+CHAINS = "boltstream_chains"
 TREE_ATTENTION = ("sdpa", "eager", CHAINS)
 PROBE_TOLERANCE = 1e-3  # a mask that is ignored moves the probe's logits by O(1), rounding by far less
 
