@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import flash_cpu
+from .config import StepConfig
 from .prefix_tree import build_tree
 from .tree_step import CHAINS as NAME
 from .tree_step import (
@@ -38,7 +39,6 @@ from .tree_step import (
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ChainPlan:
     """A micro-batch's chains: ``chains[c] = (start, end)`` node ranges in pre-order, and the key
@@ -47,11 +47,6 @@ class ChainPlan:
 
     chains: tuple[tuple[int, int], ...]
     visible: tuple[tuple[tuple[int, int], ...], ...]
-
-    def pairs(self) -> int:
-        """Query-key pairs the chains compute (each chain's own keys causally)."""
-        return sum((end - start) * sum(hi - lo for lo, hi in vis) + (end - start) * (end - start + 1) // 2
-                   for (start, end), vis in zip(self.chains, self.visible, strict=True))
 
 
 def _merged(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
@@ -170,8 +165,8 @@ def probe(model: torch.nn.Module) -> str | None:
     return None
 
 
-def resolve_chain_attention(model: torch.nn.Module, cfg: Any) -> Any:
-    """``cfg`` (a :class:`.config.StepConfig`) as ``model`` can run it: chains off (logged
+def resolve_chain_attention(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
+    """``cfg`` as ``model`` can run it: chains off (logged
     once, with the reason, and the model's attention back to sdpa) when :func:`probe` finds a problem.
     Called once when a trainer is built, after :func:`.tree_step.resolve_prefix_tree`."""
     if not cfg.prefix_tree or not cfg.chain_attention_min_tokens:
