@@ -22,10 +22,11 @@ first loss token) runs once per step:
 Recomputing costs one more forward over ``P``; in exchange ``P``'s activations are never held
 while the micro-batches run, and never more than one chunk's at a time, so the step's peak memory
 is the micro-batch budget's, however long ``P`` is. A prefix of at most
-``StepConfig.shared_prefix_keep_tokens`` tokens skips that: its forward in step 1 runs with gradient
-and keeps its activations until step 3, which is then one backward from the keys and values. The gradient is exact (the loss depends on
-``P``'s tokens only through their keys and values, and a chunk on the earlier chunks only through
-theirs), so the update equals the flat step's up to rounding.
+``StepConfig.shared_prefix_keep_tokens`` tokens skips that: its forward in step 1 runs with
+gradient, in one piece, and keeps its activations until step 3, which is then one backward from
+its keys and values. The gradient is exact (the loss depends on ``P``'s tokens only through their
+keys and values, and a chunk on the earlier chunks only through theirs), so the update equals the
+flat step's up to rounding.
 
 Every use of transformers' cache internals goes through :mod:`boltstream.inference.kv_cache`
 (it states what it relies on, and checks it on a real model, gradients included).
