@@ -27,14 +27,7 @@ from . import flash_cpu
 from .config import StepConfig
 from .prefix_tree import build_tree
 from .tree_step import CHAINS as NAME
-from .tree_step import (
-    PROBE_TOLERANCE,
-    attention_implementation,
-    causal_model,
-    probe_mismatch,
-    probe_tokens,
-    tree_inputs,
-)
+from .tree_step import attention_implementation, causal_model, probe_against_plain, probe_tokens, tree_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +148,9 @@ def probe(model: torch.nn.Module) -> str | None:
     a, b, c = probe_tokens(model)
     tree = build_tree([[a, b, c], [a, c]])
     plan = chain_plan(tree.parents)
-    try:
-        diff = probe_mismatch(model, lambda device: model(**tree_inputs(model, tree, device), chain_plan=plan,
-                                                          use_cache=False), int(tree.node_index[1][1]), [a, c])
-    except Exception as exc:  # any failure means: the dense mask
-        return f"a forward by chains failed: {type(exc).__name__}: {exc}"
-    if diff > PROBE_TOLERANCE:
-        return f"a forward by chains differs from the plain one by {diff:.3g} (relative)"
-    return None
+    return probe_against_plain(model, lambda device: model(**tree_inputs(model, tree, device), chain_plan=plan,
+                                                           use_cache=False),
+                               int(tree.node_index[1][1]), [a, c], "a forward by chains")
 
 
 def resolve_chain_attention(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:

@@ -44,7 +44,7 @@ from boltstream.inference import kv_cache
 
 from .config import StepConfig
 from .prefix_tree import build_tree
-from .tree_step import PROBE_TOLERANCE, causal_model, probe_mismatch, probe_tokens, tree_inputs, tree_problem
+from .tree_step import causal_model, probe_against_plain, probe_tokens, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +186,8 @@ def probe_shared_prefix(model: torch.nn.Module) -> str | None:
         prefix = SharedPrefix.run(model, torch.tensor([a]), chunk_size=1)
         return model(**prefixed_inputs(model, tree, prefix, device), use_cache=False)
 
-    try:
-        diff = probe_mismatch(model, from_prefix, int(tree.node_index[1][0]), [a, c])
-    except Exception as exc:  # any failure means: no shared prefix
-        return f"a forward from a shared prefix's cached keys/values failed: {type(exc).__name__}: {exc}"
-    if diff > PROBE_TOLERANCE:
-        return f"a forward from a shared prefix's cached keys/values differs from the plain one by {diff:.3g} (relative)"
-    return None
+    return probe_against_plain(model, from_prefix, int(tree.node_index[1][0]), [a, c],
+                               "a forward from a shared prefix's cached keys/values")
 
 
 def resolve_shared_prefix(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:

@@ -149,6 +149,19 @@ def probe_mismatch(model: torch.nn.Module, tree_forward: Callable[[torch.device]
     return float((tree_logits[node].float() - flat).abs().max()) / max(1.0, float(flat.abs().max()))
 
 
+def probe_against_plain(model: torch.nn.Module, tree_forward: Callable[[torch.device], Any], node: int,
+                        flat_ids: Sequence[int], what: str) -> str | None:
+    """Why ``what`` (the probe forward ``tree_forward``) cannot be used, or None: it raised, or node
+    ``node``'s logits differ from the plain sequence ``flat_ids``'s by more than rounding."""
+    try:
+        diff = probe_mismatch(model, tree_forward, node, flat_ids)
+    except Exception as exc:  # any failure means: not used
+        return f"{what} failed: {type(exc).__name__}: {exc}"
+    if diff > PROBE_TOLERANCE:
+        return f"{what} differs from the plain one by {diff:.3g} (relative)"
+    return None
+
+
 def resolve_prefix_tree(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
     """``cfg`` as ``model`` can run it: with ``prefix_tree`` turned off (logged once, with the reason)
     when :func:`probe_tree_support` finds a problem. Called once when a trainer is built."""
