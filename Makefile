@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.boltstream-installed
 PIP_Q  := --quiet --disable-pip-version-check
 
-.PHONY: allocator demo seeds test test-unit test-integration bench chaos fuzz lint format clean
+.PHONY: system demo seeds test test-unit test-integration bench chaos fuzz lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,24 +22,32 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install $(PIP_Q) --no-build-isolation deepspeed==0.19.8
 	touch $@
 
-# tcmalloc, preloaded into the learner, worker and stream app (boltstream/allocator.py): as fast as
-# glibc's malloc at a lower peak than glibc's memory settings. Installed where apt-get can (root, Debian);
-# never required: without it the children keep glibc and the run says so in its log.
-TCMALLOC_PKG := libtcmalloc-minimal4
-allocator:
-	@if ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-		{ apt-get install -y -qq $(TCMALLOC_PKG) >/dev/null 2>&1 || \
-		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(TCMALLOC_PKG) >/dev/null 2>&1; }; }; then \
-		echo "installed $(TCMALLOC_PKG)"; \
-	else echo "$(TCMALLOC_PKG) not installed (needs root and apt-get): boltstream runs on glibc malloc"; fi
+# System packages, installed by the targets that need them (root + apt-get; Debian/Ubuntu):
+#  - libtcmalloc-minimal4: tcmalloc, preloaded into the learner, worker and stream app (boltstream/allocator.py);
+#    never required: without it the children keep glibc malloc and the run says so in its log;
+#  - prometheus: the real server tests/integration/test_observability.py scrapes the pipeline with; without
+#    it that one test fails, saying how to install it.
+# Without root or apt-get this prints what to install by hand and goes on.
+SYSTEM_PKGS := libtcmalloc-minimal4 prometheus
+system:
+	@missing=""; for p in $(SYSTEM_PKGS); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing system packages:$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
+		echo "could not install$$missing with apt-get"; \
+	else echo "not installed (needs root and apt-get):$$missing -- see the README"; fi
 
-demo: $(STAMP) allocator
+demo: $(STAMP) system
 	$(VENV)/bin/boltstream demo $(DEMO_ARGS)
 
 # The demo on seeds 0-3, one after the other, as the README's table (SEEDS_ARGS: --seeds 0,1 --extra="--steps 12"
 # --update-readme ...); benchmarks/results/demo_seeds.md and .json.
-seeds: $(STAMP)
+seeds: $(STAMP) system
 	$(PY) benchmarks/demo_seeds.py $(SEEDS_ARGS)
 
 # One pytest worker per core (TEST_WORKERS=0: one process): most integration tests wait on
@@ -48,20 +56,20 @@ seeds: $(STAMP)
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist worksteal
 
-test: $(STAMP)
+test: $(STAMP) system
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) system
 	$(PY) -m pytest -q $(XDIST) tests/integration $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) system
 	$(PY) benchmarks/run_all.py
 
 # Every fault scenario on the real pipeline; the table goes to docs/reliability.md (CHAOS_ARGS: --scenarios ...).
-chaos: $(STAMP)
+chaos: $(STAMP) system
 	$(PY) benchmarks/chaos.py $(CHAOS_ARGS)
 
 # The fuzz targets' long form: FUZZ_EXAMPLES inputs per target (make test runs a few hundred).

@@ -2,7 +2,7 @@
 with the compose file's scrape config pointed at loopback, every query of the Grafana dashboard returns data,
 and ``boltstream status --json`` agrees with what the components themselves report.
 
-Prometheus is Debian's ``prometheus`` package (``.ci/run`` installs it); without it this test fails, saying so.
+Prometheus is Debian's ``prometheus`` package (``make test`` installs it); without it this test fails, saying so.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def test_prometheus_scrapes_the_pipeline_and_status_agrees(stack: dict[str, Any]
                                                            boltstream_cmd: list[str]) -> None:
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.fail("the prometheus binary is not installed: apt-get install -y prometheus (.ci/run does it)")
+        pytest.fail("the prometheus binary is not installed: `make system` installs it (root + apt-get), "
+                    "or apt-get install -y prometheus")
     train, test = train_test(n_train=40, n_test=2, seed=5)
     for name, tasks in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
