@@ -1,14 +1,24 @@
-"""Serving throughput: 8 concurrent clients vs one request at a time, same worker, same requests, same run.
+"""Serving speed against the machine: the engine at batch 1/8/16/32, then the worker over HTTP.
 
-    .venv/bin/python benchmarks/bench_serving.py [--model smollm2] [--requests 16] [--max-tokens 48]
+    .venv/bin/python benchmarks/bench_serving.py [--model smollm2] [--serve-dtype auto|float32|bfloat16]
+        [--batches 1,8,16,32] [--prompt-tokens 256] [--decode-steps 16] [--requests 16] [--max-tokens 48]
 
-A ``boltstream serve`` worker runs as its own process on the embedded stack
-with token capture ON (every answer waits for its span's broker ack), as in
-training. The same seeded chat requests are sent sequentially, then by
-``--clients`` closed-loop clients sharing one queue, alternating for
-``--rounds`` rounds (so load from other processes hits both modes alike).
-Throughput is generated tokens / wall time; the ratio shows what the
-continuous batching buys.
+Part 1, the engine (in this process, the worker's own decoding code): for each
+batch size, a prefill of that many ``--prompt-tokens`` prompts (prefill
+tokens/s) and ``--decode-steps`` decode steps (generated tokens/s), once with
+the plain-torch decode step over a KV buffer (inference/llama_step.py) and
+once through the model's own forward, alternating. Printed next to them, from
+the same run (benchmarks/machine.py): the memory bound of a decode step
+(the weights' bytes in the serving dtype over a large copy's GB/s, and over a
+large read's GB/s) and the compute bound of the prefill (2 FLOPs per weight per
+token over a large float32 matmul's GFLOP/s), with the ratio to each; and the
+CPU's flags, dtype and thread settings.
+
+Part 2, the worker (``--rounds`` > 0): a ``boltstream serve`` process on the
+embedded stack with token capture ON (every answer waits for its span's
+broker ack), as in training; the same seeded chat requests sent one at a time,
+then by ``--clients`` closed-loop clients, alternating for ``--rounds``
+rounds; the ratio shows what continuous batching buys.
 JSON goes to benchmarks/results/serving.json.
 """
 
@@ -27,14 +37,103 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from machine import bounds, cpu_facts, describe
 
 from boltstream.inference.launch import WorkerProcess
 from boltstream.stack import embedded_stack, settings_env
-from boltstream.weights.models import model_dir
+from boltstream.weights.models import load_model, model_dir, resolve_dtype
 
 RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the ocean", "a robot learning to paint", "prime numbers", "a rainy day in Lisbon", "compilers",
           "honeybees", "the moon landing", "sourdough bread"]
+
+
+# ------------------------------------------------------------------ part 1: the engine against the machine
+
+def _engine_once(model: Any, batch: int, prompt_tokens: int, steps: int, plain: bool) -> dict[str, float]:
+    """One prefill of ``batch`` prompts and ``steps`` decode steps, as the worker's generation thread runs
+    them; ``plain``: through the model's own forward instead of the plain-torch step."""
+    from array import array
+    from types import SimpleNamespace
+
+    import torch
+
+    from boltstream.inference import decoding, llama_step
+    from boltstream.inference.backend import SamplingParams
+
+    real_step_for = llama_step.step_for
+    if plain:
+        llama_step.step_for = lambda m: None  # type: ignore[assignment]
+    try:
+        gen = torch.Generator().manual_seed(batch)
+        reqs = [SimpleNamespace(prompt_ids=array("i", torch.randint(100, 20000, (prompt_tokens - i % 7,),
+                                                                    generator=gen).tolist()),
+                                params=SamplingParams(temperature=1.0, max_tokens=steps + 1, seed=i))
+                for i in range(batch)]  # lengths differ a little: rows are left-padded, as in serving
+        rows = decoding.make_rows(reqs)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            state = decoding.prefill(model, rows, 0, "cpu")
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                tokens, lps = decoding.sample(state)
+                for row, tok, lp in zip(state.rows, tokens, lps, strict=True):
+                    row.ids.append(tok)
+                    row.logprobs.append(lp)
+                decoding.advance(model, state)
+            t2 = time.perf_counter()
+    finally:
+        llama_step.step_for = real_step_for  # type: ignore[assignment]
+    prefilled = sum(len(r.prompt_ids) for r in reqs)
+    return {"prefill_s": t1 - t0, "prefill_tokens_per_s": prefilled / (t1 - t0),
+            "step_ms": (t2 - t1) / steps * 1000, "decode_tokens_per_s": batch * steps / (t2 - t1)}
+
+
+def engine(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 1: every batch size, plain-torch step and the model's forward alternating, against the bounds."""
+    dtype = resolve_dtype(args.serve_dtype)
+    model, _ = load_model(args.model, dtype=dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    flops_per_token = 2 * sum(p.numel() for p in model.parameters())
+    facts = cpu_facts()
+    machine = bounds()
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"machine: {describe(facts)}")
+    print(f"bounds (same run): copy {machine['copy_gb_s']:.1f} GB/s, read {machine['read_gb_s']:.1f} GB/s, "
+          f"float32 matmul {machine['matmul_gflop_s']:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB in "
+          f"{dtype_name} -> a decode step >= {weight_bytes / machine['copy_gb_s'] / 1e6:.1f} ms (copy rate), "
+          f">= {weight_bytes / machine['read_gb_s'] / 1e6:.1f} ms (read rate)", flush=True)
+    _engine_once(model, 2, 32, 2, plain=False)  # warm-up: first-call allocations, the step's probe
+    _engine_once(model, 2, 32, 2, plain=True)
+    out = []
+    for batch in args.batches:
+        runs = {"step": [], "forward": []}
+        for _ in range(args.engine_rounds):
+            for mode in ("step", "forward"):
+                runs[mode].append(_engine_once(model, batch, args.prompt_tokens, args.decode_steps,
+                                               plain=mode == "forward"))
+        row: dict[str, Any] = {"batch": batch}
+        for mode, rs in runs.items():
+            best = min(rs, key=lambda r: r["step_ms"])
+            step_s = best["step_ms"] / 1000
+            row[mode] = dict(best, memory_bound_copy=weight_bytes / machine["copy_gb_s"] / 1e9 / step_s,
+                             memory_bound_read=weight_bytes / machine["read_gb_s"] / 1e9 / step_s,
+                             prefill_compute_bound=max(r["prefill_tokens_per_s"] for r in rs) * flops_per_token
+                             / (machine["matmul_gflop_s"] * 1e9))
+        row["step_speedup"] = row["forward"]["step_ms"] / row["step"]["step_ms"]
+        s, f = row["step"], row["forward"]
+        print(f"batch {batch:2d}: decode {s['decode_tokens_per_s']:6.1f} tok/s ({s['step_ms']:.1f} ms/step; "
+              f"{s['memory_bound_copy']:.0%} of the copy-rate bound, {s['memory_bound_read']:.0%} of the read-rate "
+              f"bound) vs own forward {f['decode_tokens_per_s']:6.1f} tok/s ({f['step_ms']:.1f} ms/step, "
+              f"{f['memory_bound_copy']:.0%}) -> {row['step_speedup']:.2f}x; prefill "
+              f"{s['prefill_tokens_per_s']:.0f} tok/s ({s['prefill_compute_bound']:.0%} of the matmul bound)",
+              flush=True)
+        out.append(row)
+    return {"machine": facts, "bounds": machine, "dtype": dtype_name, "weight_bytes": weight_bytes,
+            "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps, "batches": out}
+
+
+# ------------------------------------------------------------------ part 2: the worker over HTTP
 
 
 def requests(model: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -114,7 +213,7 @@ def worker_env(settings: Any, folder: str) -> dict[str, str]:
     return env
 
 
-def serving_args(description: str, out: str, argv: list[str] | None) -> argparse.Namespace:
+def serving_args(description: str, out: str) -> argparse.ArgumentParser:
     """The options both serving benchmarks take (this one and bench_serving_adapters.py)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="smollm2")
@@ -122,25 +221,35 @@ def serving_args(description: str, out: str, argv: list[str] | None) -> argparse
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--serve-dtype", default="auto", help="the worker's dtype (auto: bfloat16 on a CPU with native "
+                   "bf16, else the checkpoint's float32)")
     p.add_argument("--out", default=str(RESULTS / out))
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = serving_args(__doc__.split("\n\n")[0], "serving.json", argv)
+    p = serving_args(__doc__.split("\n\n")[0], "serving.json")
+    p.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32])
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--engine-rounds", type=int, default=2, help="alternations of the two decode paths per batch")
+    args = p.parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as d, embedded_stack(d) as settings:
-        env = worker_env(settings, d)
-        with WorkerProcess(["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients)],
-                           env=env, log_path=Path(d) / "worker.log") as worker:
-            assert worker.url is not None
-            results = asyncio.run(run(worker.url, args))
-    report = {"benchmark": "serving", "model": args.model, "clients": args.clients, "max_tokens": args.max_tokens,
-              "cpus": os.cpu_count(), "machine": platform.machine(), "python": sys.version.split()[0],
-              "capture": True, **results}
+    report: dict[str, Any] = {"benchmark": "serving", "model": args.model, "serve_dtype": args.serve_dtype,
+                              "cpus": os.cpu_count(), "machine": platform.machine(), "python": sys.version.split()[0],
+                              "engine": engine(args)}
+    if args.rounds > 0:
+        with tempfile.TemporaryDirectory(prefix="bench-serving-") as d, embedded_stack(d) as settings:
+            env = worker_env(settings, d)
+            with WorkerProcess(["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients),
+                                "--dtype", args.serve_dtype], env=env, log_path=Path(d) / "worker.log") as worker:
+                assert worker.url is not None
+                results = asyncio.run(run(worker.url, args))
+        report.update(clients=args.clients, max_tokens=args.max_tokens, capture=True, **results)
+        print(f"throughput ratio ({args.clients} concurrent / one at a time): {results['speedup']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"throughput ratio ({args.clients} concurrent / one at a time): {results['speedup']:.2f}x -> {args.out}")
+    print(f"-> {args.out}")
     return 0
 
 

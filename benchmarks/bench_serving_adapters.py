@@ -107,7 +107,7 @@ async def run(one: str, two: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = serving_args(__doc__.split("\n\n")[0], "serving_adapters.json", argv)
+    args = serving_args(__doc__.split("\n\n")[0], "serving_adapters.json").parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-adapters-") as d, embedded_stack(d) as settings:
         env = worker_env(settings, d)

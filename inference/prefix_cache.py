@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from boltstream.inference import kv_cache
-from boltstream.inference.decoding import DecodeState, Row
+from boltstream.inference.decoding import DecodeState, Row, decode_cache
 from boltstream.inference.prefix_tree import PrefixTree
 
 Payload = tuple[Any, ...]  # K0, V0, K1, V1, ...: each [kv_heads, tokens, head_dim]
@@ -146,4 +146,4 @@ def prefill(model: Any, rows: list[Row], device: Any, cache: PrefixCache, namesp
     positions = torch.tensor([[len(r.request.prompt_ids) - 1] for r in rows], device=device)
     logits = torch.cat([done[id(r.request)][1] for r in rows])
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
-    return DecodeState(rows, kv_cache.make_cache(data), mask, positions, logits, temps)
+    return DecodeState(rows, decode_cache(model, data), mask, positions, logits, temps)

@@ -264,7 +264,7 @@ class TransformersBackend(WeightSwapping):
         was never fed, so it has no KV): an agent's next call starts with them."""
         row = state.rows[j]
         if self.prefix_cache.enabled and self._kv_reusable and row.finish != FINISH_ABORT and len(row.ids) > 1:
-            self.prefix_cache.insert_row(key, row.request.prompt_ids + row.ids[:-1], kv_cache.layers_of(state.cache),
+            self.prefix_cache.insert_row(key, row.request.prompt_ids + row.ids[:-1], decoding.cache_layers(state.cache),
                                          j, lambda: self._policies[key] is policy)
 
     def _decode(self, policy: Policy, batch: list[_Request], key: str | None) -> None:

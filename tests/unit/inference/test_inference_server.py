@@ -98,7 +98,7 @@ def _sse(lines: list[str]) -> list[Any]:
 
 
 def test_streaming_chat_is_captured_whole(client: TestClient, sink: MemorySpanSink, tiny, chat) -> None:
-    body = chat(stream=True, n=2, max_tokens=10, seed=5, stream_options={"include_usage": True})
+    body = chat(stream=True, n=2, max_tokens=10, seed=1, stream_options={"include_usage": True})
     with client.stream("POST", "/v1/chat/completions", json=body, headers=ROLLOUT) as r:
         assert r.status_code == 200
         events = _sse(list(r.iter_lines()))

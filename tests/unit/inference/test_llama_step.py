@@ -1,0 +1,103 @@
+"""The plain-torch decode step equals the model's own forward: step by step, across rows that
+leave and join, past a buffer's growth, and through the whole engine's sampling."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from boltstream.inference import decoding, llama_step
+from boltstream.inference.backend import SamplingParams
+from boltstream.inference.llama_step import KVBuffer
+from boltstream.inference.transformers_backend import TransformersBackend
+from boltstream.weights.models import tiny_llama, tiny_model_and_tokenizer
+
+
+def rows_for(prompts: list[list[int]]) -> list[decoding.Row]:
+    from array import array
+
+    reqs = [SimpleNamespace(prompt_ids=array("i", p), params=SamplingParams(temperature=1.0, max_tokens=64, seed=i))
+            for i, p in enumerate(prompts)]
+    return decoding.make_rows(reqs)
+
+
+def run(model: Any, feed: list[list[int]], steps: int, monkeypatch: pytest.MonkeyPatch, fast: bool) -> list[Any]:
+    """Logits of every step: prefill 2 rows, decode, one row leaves, a third joins, decode on."""
+    llama_step._steps.pop(model, None)
+    if not fast:
+        monkeypatch.setattr(llama_step, "step_for", lambda m: None)
+    out = []
+    with torch.inference_mode():
+        state = decoding.prefill(model, rows_for(feed[:2]), 0, "cpu")
+        assert isinstance(state.cache, KVBuffer) == fast
+        for i in range(steps):
+            for j, row in enumerate(state.rows):
+                row.ids.append(int(state.logits[j].argmax()))
+            if i == 3:
+                state = decoding.select(state, [1])
+            if i == 5:
+                state = decoding.join(state, decoding.prefill(model, rows_for(feed[2:]), 0, "cpu"))
+                for row in state.rows[1:]:
+                    row.ids.append(int(state.logits[-1].argmax()))
+            decoding.advance(model, state)
+            out.append(state.logits.clone())
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("growth", [128, 2])
+def test_steps_equal_the_models_forward_across_leaves_joins_and_growth(monkeypatch: pytest.MonkeyPatch,
+                                                                         growth: int) -> None:
+    model, _ = tiny_model_and_tokenizer(0)
+    monkeypatch.setattr(llama_step, "GROWTH", growth)
+    feed = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+    fast = run(model, feed, 12, monkeypatch, fast=True)
+    monkeypatch.setattr(llama_step, "GROWTH", growth)
+    plain = run(model, feed, 12, monkeypatch, fast=False)
+    assert [f.shape for f in fast] == [p.shape for p in plain]
+    for f, p in zip(fast, plain, strict=True):
+        torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
+
+
+def test_the_probe_accepts_llama_and_refuses_what_it_cannot_reproduce() -> None:
+    model, _ = tiny_model_and_tokenizer(0)
+    assert llama_step.probe(model) is None
+    biased = tiny_llama(attention_bias=True)
+    assert "biases" in (llama_step.probe(biased) or "")
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny_model_and_tokenizer(0)[0], LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert llama_step.probe(peft) is not None
+
+
+def test_a_step_that_computes_something_else_is_refused_by_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = tiny_model_and_tokenizer(0)
+    monkeypatch.setattr(llama_step, "_rotate_half", lambda x: x)  # a wrong rotary embedding
+    assert "differ" in (llama_step.probe(model) or "")
+
+
+def test_the_engine_samples_the_same_tokens_and_logprobs_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer = tiny_model_and_tokenizer(0)
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, n=3)
+
+    async def serve() -> list[Any]:
+        backend = TransformersBackend(model, tokenizer, model_name="tiny", max_batch_size=8)
+        await backend.start()
+        try:
+            gens = await asyncio.gather(*(backend.generate(list(range(5, 5 + k)), params) for k in (3, 9, 4)))
+        finally:
+            await backend.stop()
+        return [(list(c.token_ids), list(c.logprobs)) for g in gens for c in g.completions]
+
+    llama_step._steps.pop(model, None)
+    fast = asyncio.run(serve())
+    assert llama_step._steps.get(model) is not None, "the engine did not take the plain-torch step"
+    monkeypatch.setattr(llama_step, "step_for", lambda m: None)
+    plain = asyncio.run(serve())
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(fast, plain, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
