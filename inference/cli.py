@@ -179,6 +179,8 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     status = ReloadStatus()
     if getattr(backend, "prefix_cache", None) is not None:
         metrics.watch_prefix_cache(backend.prefix_cache.stats)
+    if hasattr(backend, "engine_stats"):
+        metrics.watch_engine(backend.engine_stats)
     if cfg.capture:
         from boltstream.producers.spool import spool_directory
 

@@ -65,12 +65,30 @@ class Metrics:
         """Report the prefix cache's counters and size (read at each scrape: the engine owns them)."""
         self.registry.register(_PrefixCacheCollector(stats))
 
+    def watch_engine(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Report the generation thread's busy time and decode steps (read at each scrape: the engine owns them)."""
+        self.registry.register(_EngineCollector(stats))
+
     def set_version(self, version: int, adapter: str | None = None) -> None:
         """The served version, labelled with the adapter's name on a worker serving several."""
         self.policy_version.labels(adapter or self.model_name).set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.stats()
+        yield CounterMetricFamily("boltstream_inference_busy_seconds",
+                                  "seconds the generation thread spent running batches", value=s["busy_seconds"])
+        yield CounterMetricFamily("boltstream_inference_decode_steps", "decode steps run", value=s["decode_steps"])
+        yield CounterMetricFamily("boltstream_inference_decode_rows",
+                                  "rows decoded, summed over decode steps (/ steps: the mean decode batch)",
+                                  value=s["decode_rows"])
 
 
 class _PrefixCacheCollector(Collector):

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from array import array
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,11 @@ class TransformersBackend(WeightSwapping):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
         self.batches_run = 0
         self.joined = 0  # requests that joined a running batch
+        # What the step timeline reads (inference/metrics.py): seconds the generation thread ran a batch,
+        # decode steps run and the rows they decoded (rows / steps = the mean decode batch).
+        self.busy_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_rows = 0
         self._base = model
         self._vocab = model.get_output_embeddings().weight.shape[0]
         self._peft: Any = None
@@ -116,6 +122,11 @@ class TransformersBackend(WeightSwapping):
         # KV of prompt prefixes, per policy key (inference/prefix_cache.py); 0 bytes: off
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self._kv_reusable = kv_cache.reusable(model.config)  # not sliding-window or static caches
+
+    def engine_stats(self) -> dict[str, float]:
+        """Counters of the generation thread, read at each metrics scrape."""
+        return {"busy_seconds": self.busy_seconds, "decode_steps": self.decode_steps,
+                "decode_rows": self.decode_rows}
 
     @property
     def policy_version(self) -> int:
@@ -204,6 +215,7 @@ class TransformersBackend(WeightSwapping):
                 continue
             policy = self._batch_policy = self._policies[key]  # the version this whole batch runs on
             self._in_job = list(batch)
+            started = time.perf_counter()
             try:
                 await self._loop.run_in_executor(self._executor, self._run_batch, policy, batch, key)
             except Exception as exc:
@@ -214,6 +226,7 @@ class TransformersBackend(WeightSwapping):
             finally:
                 self._batch_policy = None
                 self._in_job = []
+                self.busy_seconds += time.perf_counter() - started
             self.batches_run += 1
 
     # ----------------------------------------------------------- generation thread
@@ -303,6 +316,8 @@ class TransformersBackend(WeightSwapping):
                 return
             state = decoding.select(state, keep)
             decoding.advance(model, state)
+            self.decode_steps += 1
+            self.decode_rows += len(keep)
 
     def _check_finished(self, row: decoding.Row) -> None:
         params = row.params

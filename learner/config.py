@@ -180,6 +180,9 @@ class LearnerConfig:
                                                     "rising threshold)")
     # --- metrics
     metrics_path: str | None = opt(None, "append one JSON line per step / checkpoint / resume here")
+    worker_metrics: tuple[str, ...] = opt((), "comma-separated base URLs of inference workers (http://host:port) "
+                                          "whose /metrics each step's timeline reads: generation time, decode "
+                                          "batch size, prefill/decode tokens, reloads")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (0: any free port)")
     metrics_host: str = opt("127.0.0.1", "address of the /metrics server")
     report_to: tuple[str, ...] = opt((), REPORT_TO_HELP)

@@ -50,6 +50,7 @@ from boltstream.schemas import Codec
 from boltstream.tracking import open_trackers
 from boltstream.weights.checkpoints import announce_checkpoint
 
+from . import timeline
 from .checkpointing import LearnerState, Resumed, fetch_resume, prune, publish
 from .config import LearnerConfig
 from .groups import GroupAssembler, OffsetTracker, StepInput
@@ -216,6 +217,12 @@ class _Run:
         self.vocab = vocab_size(trainer.model)
         self.step, self.version, self.samples_trained = state.step, state.version, state.samples_trained
         self.last_checkpoint, self.last_step_at = state.step, time.perf_counter()
+        self.last_publish_s = 0.0  # the latest checkpoint's publish: part of the next step's window
+        self.last_scrape: dict[str, float] | None = None  # the workers' counters at the latest step record
+
+    async def _workers(self) -> dict[str, float] | None:
+        urls = self.cfg.worker_metrics
+        return await asyncio.to_thread(timeline.scrape, urls) if urls else None
 
     def running(self) -> bool:
         return not self.stop.is_set() and (self.cfg.max_steps is None or self.step < self.cfg.max_steps)
@@ -237,6 +244,7 @@ class _Run:
     async def online_steps(self) -> None:
         """Steps from the live topic until the run stops (``stop``, ``max_steps``, ``idle_exit_s``)."""
         cfg, source = self.cfg, self.source
+        self.last_scrape = self.last_scrape or await self._workers()
         while self.running():
             # K complete groups, judged against the current policy version (staleness: online only)
             inp = source.take_step(cfg.groups_per_step, self.version, cfg.max_staleness, self.vocab)
@@ -259,10 +267,14 @@ class _Run:
         self.step, self.version = self.step + 1, self.version + 1
         self.samples_trained += len(inp.samples)
 
-        # metrics: console, Prometheus, JSONL (with the sample ids trained)
+        # metrics: console, Prometheus, JSONL (with the sample ids trained), and where the step's time went
         now = time.perf_counter()
         record = step_record(self.step, self.version, metrics, inp, wall_seconds=now - self.last_step_at,
                              dropped_total=self.assembler.dropped, lr=lr)
+        scraped = await self._workers()
+        record["timeline"] = timeline.step_timeline(now - self.last_step_at, metrics.seconds, self.last_publish_s,
+                                                    self.last_scrape, scraped)
+        self.last_scrape = scraped
         epoch = ""
         if isinstance(data, OfflineData):
             record["epoch"] = data.epoch + 1
@@ -290,7 +302,7 @@ class _Run:
         await announce_checkpoint(self.producer, self.codec, cfg.settings.topic("checkpoints"), event)
         deleted = await asyncio.to_thread(prune, self.s3, cfg)
         self.result.events.append(event)
-        seconds = time.perf_counter() - t0
+        seconds = self.last_publish_s = time.perf_counter() - t0
         assert self.sink is not None
         self.sink.event("checkpoint", step=self.step, version=self.version, manifest=event["manifest_uri"],
                         offsets=snapshot.offsets, used_above=snapshot.used_above, pruned=deleted, seconds=seconds)

@@ -27,6 +27,7 @@ from boltstream.tracking import Trackers
 from .groups import StepInput
 from .memory import peak_rss_mb
 from .step import StepMetrics
+from .timeline import format_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,8 @@ class MetricsSink:
                 for _ in range(n):
                     self._staleness.labels(m).observe(int(key))
         logger.info("%s", format_step(record))
+        if "timeline" in record:
+            logger.info("step %d time: %s", record["step"], format_timeline(record["timeline"]))
         self.write(record)
         self.trackers.log_metrics({k: v for k, v in record.items() if k not in NOT_TRACKED}, int(record["step"]))
 

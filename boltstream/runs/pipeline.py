@@ -151,7 +151,8 @@ class PipelineConfig:
         def learner(name: str, *role: str) -> list[str]:
             metrics = ["--metrics-path", str(paths[name])] if name in paths else []
             return ["learn", "--model", self.model, *role, "--max-steps", str(self.steps), "--checkpoint-every", "1",
-                    *metrics, *lora, *to_argv(LearnerConfig, self.learner)]
+                    *metrics, "--worker-metrics", base_url.removesuffix("/v1"), *lora,
+                    *to_argv(LearnerConfig, self.learner)]
 
         learners = ({f"learner-{r.name}": learner(f"learner-{r.name}", "--role", f"{r.name}={r.agents.pattern}")
                      for r in trained} if trained else

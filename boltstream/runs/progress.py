@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, TextIO
 
+from boltstream.learner.timeline import format_timeline
 from boltstream.processes import Processes
 
 
@@ -103,6 +104,8 @@ class ProgressLines:
             reward = row.get("reward_mean")
             shown = "nan" if reward is None else f"{reward:.3f}"
             self.say(f"step {step}{of}: reward {shown}, {row.get('samples', 0)} samples{eta}")
+            if "timeline" in row:
+                self.say(f"step {step} time: {format_timeline(row['timeline'])}")
         self.step_seen = max(self.step_seen, len(rows))
         if version is not None and version != self.version_seen:
             if self.version_seen is not None:
@@ -165,6 +168,8 @@ class LiveDisplay:
         t.add_row("learner step", f"{last.get('step', 0)}{f' of {self.steps}' if self.steps else ''}")
         t.add_row("training reward", f"{last.get('reward_mean', float('nan')):.3f}" if rows else "-")
         t.add_row("policy version served", str(version))
+        if "timeline" in last:
+            t.add_row("last step's time", format_timeline(last["timeline"]))
         self.live.update(t)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load
 from boltstream.inference.cli import DTYPES
+from boltstream.learner import timeline
 from boltstream.learner.config import LearnerConfig
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
@@ -279,9 +280,12 @@ def _learners_summary(cfg: PipelineConfig, procs: Processes, metrics: dict[str, 
                        f"the worker to load {adapter or 'the'} policy version {final_version}", procs)
         steps_of[name] = len(rows)
         rss_of[name] = max((r.get("peak_rss_mb") or 0.0 for r in rows), default=None)
+    first = next(iter(metrics.values()))
     summary: dict[str, Any] = {
         "learner_steps": min(steps_of.values()),  # the steps every learner took
         "learner_peak_rss_mb": max((m for m in rss_of.values() if m is not None), default=None),
+        # where the (first) learner's steps spent their time, added up over the run
+        "step_time": timeline.totals([r["timeline"] for r in _steps(first) if "timeline" in r]),
     }
     if roles:
         summary["roles"] = {roles[n]: {"learner_steps": steps_of[n], "learner_peak_rss_mb": rss_of[n]}
@@ -395,5 +399,7 @@ def print_summary(summary: dict[str, Any]) -> None:
              "learner peak RSS": None if summary.get("learner_peak_rss_mb") is None
              else f"{summary['learner_peak_rss_mb']} MiB"}
     Console().print(", ".join(f"{name}: {value}" for name, value in facts.items() if value is not None))
+    if summary.get("step_time"):
+        Console().print(f"time in learner steps: {timeline.format_timeline(summary['step_time'])}")
     if summary.get("stopped_by_time_budget"):
         Console().print("[bold]the time budget ran out before the learner's last step: raise --time-budget[/bold]")

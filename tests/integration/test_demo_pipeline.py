@@ -87,8 +87,13 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     said = [PROGRESS.match(line).group(3) for _, line in arrived]  # type: ignore[union-attr]
     assert "evaluation before: 1 of 4 attempts" in said and "evaluation before: 4 of 4 attempts" in said, said
     assert "evaluation after: 4 of 4 attempts" in said, said
-    steps = [s for s in said if s.startswith("step ")]
+    steps = [s for s in said if re.match(r"step \d+ of", s)]
     assert [s.split(":")[0] for s in steps] == ["step 1 of 2", "step 2 of 2"], said
+    # each step's time, split: the worker's generation (from its /metrics), the learner's compute, publishing
+    step_times = [s for s in said if re.match(r"step \d+ time: ", s)]
+    assert [s.split(" time")[0] for s in step_times] == ["step 1", "step 2"], said
+    assert re.search(r"generate \d+\.\ds \(\d+% busy, decode batch \d+\.\d", step_times[1]), step_times
+    assert all(" learn " in s and " publish " in s for s in step_times), step_times
     assert "ETA" in steps[0] and re.search(r"reward \d\.\d{3}", steps[0]), steps[0]
     assert any(re.fullmatch(r"checkpoint v\d+ served", s) for s in said), said
     times = [started, *(t for t, _ in arrived)]
@@ -112,6 +117,17 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
     assert runs["policy"].data.params["groups_per_step"] == str(DEMO_GROUPS_PER_STEP)
     assert [r["lr"] for r in rows] == [pytest.approx(1e-3)] * 2  # no warmup: the demo's lr from the first step
+    for r in rows:
+        t = r["timeline"]
+        assert t["window_s"] == pytest.approx(r["wall_seconds"]) and t["learner_compute_s"] == r["seconds"], t
+        assert t["idle_s"] >= 0 and 0 <= t["worker_busy_share"] <= 1, t
+    # the first step's window starts when the learner is ready (rollouts may have started before): the
+    # second's holds the whole cycle, the first checkpoint's publish and the worker's reload included
+    t = rows[1]["timeline"]
+    assert t["generation_busy_s"] > 0 and t["decode_steps"] > 0 and t["decode_tokens"] > 0, t
+    assert 1.0 <= t["mean_decode_batch"] <= 16 and t["prefill_tokens"] > 0, t
+    assert t["checkpoint_publish_s"] > 0 and t["reload_s"] > 0, t
+    assert summary["step_time"]["decode_steps"] == sum(r["timeline"]["decode_steps"] for r in rows), summary
     # one partition: the runner takes the tasks in the file's order, so every step holds each operation equally
     ops = {t["id"]: t["op"] for t in read_jsonl(out / "data" / "train.jsonl")}
     for r in rows:

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "infra" / "docker-compose.yml"
 # What a run decides for itself (names, lengths, where metrics go): not a training setting.
 RUN_SPECIFIC = {"model_name", "max_steps", "checkpoint_every", "metrics_path", "metrics_port", "metrics_host",
+                "worker_metrics",
                 "served_model_name", "port", "host", "spool_dir"}
 COMPONENTS: dict[str, tuple[type, Any, list[str]]] = {
     # config class, its parser, the argv words before the options
