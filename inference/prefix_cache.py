@@ -8,11 +8,11 @@ prefill compute.
 
 How: a :class:`~boltstream.inference.prefix_tree.PrefixTree` maps token ids to
 per-layer key/value tensors (``[kv_heads, tokens, head_dim]`` per layer, K and V,
-cloned so they never pin a batch's cache). :func:`prefill` runs each distinct
-prompt of a batch alone: the longest stored prefix (never the last prompt token,
-whose logits start the sampling) becomes the past, only the rest runs through
-the model (positions continuing after the prefix), and the prompt's KV is stored
-for the next request. The rows are then left-padded into one
+cloned so they never pin a batch's cache). :func:`prefill` looks up each distinct
+prompt of a batch: the longest stored prefix (never the last prompt token, whose
+logits start the sampling) becomes the past, and only the rest runs through the
+model (positions continuing after the prefix), prompts with similar remainders
+in one forward; the prompt's KV is stored for the next request. The rows are then left-padded into one
 :class:`~boltstream.inference.decoding.DecodeState`, as joining batches does.
 The ``n`` choices of one request share one prefill. When a row finishes, its
 prompt plus generated tokens are stored too (:meth:`PrefixCache.insert_row`),
@@ -109,34 +109,37 @@ class PrefixCache:
             self.tokens_saved += saved
 
 
+# A prefill batches the prompts whose uncached suffixes differ by at most this many tokens: a shorter
+# suffix is padded to the longest by recomputing that many of its cached tokens (rounding aside, the
+# same KV), which costs less than another pass over the weights (~50 tokens' worth for SmolLM2 on CPU).
+RECOMPUTE_SLACK = 64
+
+
 def prefill(model: Any, rows: list[Row], device: Any, cache: PrefixCache, namespace: Hashable,
             valid: Callable[[], bool]) -> DecodeState:
-    """:func:`~boltstream.inference.decoding.prefill` of ``rows``, reusing and storing prompt KV."""
+    """:func:`~boltstream.inference.decoding.prefill` of ``rows``, reusing and storing prompt KV.
+
+    Each distinct prompt is prefilled once (a request's ``n`` choices and identical requests share it):
+    the prompts are looked up,
+    grouped by the length of what is left to compute (:data:`RECOMPUTE_SLACK`), and each group runs as
+    one left-padded forward over its rows' cached KV."""
     import torch
     import torch.nn.functional as F
 
-    done: dict[int, tuple[kv_cache.KV, Any]] = {}  # id(request) -> (its prompt's KV, its next-token logits)
-    for r in rows:
-        req = r.request
-        prompt = req.prompt_ids
-        if id(req) in done:
-            cache.count(0, len(prompt))  # another choice of the same request: computed once
-            continue
-        m, past = cache.lookup(namespace, prompt, valid)
-        suffix = prompt[m:]
-        ids = (torch.frombuffer(suffix, dtype=torch.int32) if isinstance(suffix, array) and len(suffix)
-               else torch.tensor(list(suffix), dtype=torch.long)).to(torch.long).unsqueeze(0).to(device)
-        positions = torch.arange(m, len(prompt), device=device).unsqueeze(0)
-        mask = torch.ones((1, len(prompt)), dtype=torch.long, device=device)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=kv_cache.make_cache(past) if past else None, use_cache=True, logits_to_keep=1)
-        layers = kv_cache.layers_of(out.past_key_values)
-        cache.insert_row(namespace, prompt, layers, 0, valid)
-        cache.count(len(prompt) - m, m)
-        done[id(req)] = (layers, out.logits[:, -1, :].float())
+    # one prefill per distinct prompt: a request's n choices, and a group's attempts of one task
+    distinct = list({r.request.prompt_ids.tobytes(): r.request for r in rows}.values())
+    found = [(req, *cache.lookup(namespace, req.prompt_ids, valid)) for req in distinct]
+    done: dict[bytes, tuple[kv_cache.KV, Any]] = {}  # prompt -> (its KV, its next-token logits)
+    for group in _groups(found):
+        for req, (layers, logits, computed) in zip((g[0] for g in group), _forward(model, group, device),
+                                                   strict=True):
+            cache.insert_row(namespace, req.prompt_ids, layers, 0, valid)
+            cache.count(computed, len(req.prompt_ids) - computed)
+            done[req.prompt_ids.tobytes()] = (layers, logits)
+    cache.count(0, sum(len(r.request.prompt_ids) for r in rows) - sum(len(q.prompt_ids) for q in distinct))
     width = max(len(r.request.prompt_ids) for r in rows)
     pads = [width - len(r.request.prompt_ids) for r in rows]
-    per_row = [done[id(r.request)][0] for r in rows]
+    per_row = [done[r.request.prompt_ids.tobytes()][0] for r in rows]
     data = [(torch.cat([F.pad(kv[i][0], (0, 0, p, 0)) for kv, p in zip(per_row, pads, strict=True)]),
              torch.cat([F.pad(kv[i][1], (0, 0, p, 0)) for kv, p in zip(per_row, pads, strict=True)]))
             for i in range(len(per_row[0]))]
@@ -144,6 +147,69 @@ def prefill(model: Any, rows: list[Row], device: Any, cache: PrefixCache, namesp
     for j, p in enumerate(pads):
         mask[j, p:] = 1
     positions = torch.tensor([[len(r.request.prompt_ids) - 1] for r in rows], device=device)
-    logits = torch.cat([done[id(r.request)][1] for r in rows])
+    logits = torch.cat([done[r.request.prompt_ids.tobytes()][1] for r in rows])
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
     return DecodeState(rows, decode_cache(model, data), mask, positions, logits, temps)
+
+
+Found = tuple[Any, int, Any]  # (request, tokens found in the cache, their KV or None)
+
+
+def _groups(found: list[Found]) -> list[list[Found]]:
+    """``found`` in groups whose uncached suffixes are at most :data:`RECOMPUTE_SLACK` tokens shorter than
+    the group's longest (longest first)."""
+    order = sorted(found, key=lambda f: len(f[0].prompt_ids) - f[1], reverse=True)
+    groups: list[list[Found]] = []
+    for item in order:
+        suffix = len(item[0].prompt_ids) - item[1]
+        if groups and len(groups[-1][0][0].prompt_ids) - groups[-1][0][1] - suffix <= RECOMPUTE_SLACK:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+def _forward(model: Any, group: list[Found], device: Any) -> list[tuple[kv_cache.KV, Any, int]]:
+    """One forward for ``group``: per request, its prompt's KV (``[1, kv_heads, len(prompt), head_dim]`` per
+    layer), its next-token logits and the prompt tokens computed.
+
+    Every row feeds its prompt's last ``S`` tokens (``S``: the group's longest uncached suffix; a shorter
+    prompt is left-padded) after the cached KV of the tokens before them, the pasts left-padded to a
+    common length: each row's tokens stay contiguous at the right, as in a decode state."""
+    import torch
+
+    width = max(len(req.prompt_ids) - m for req, m, _ in group)
+    kept = [max(len(req.prompt_ids) - width, 0) for req, _, _ in group]  # cached tokens each row attends to
+    past_len = max(kept)
+    ids = torch.zeros((len(group), width), dtype=torch.long)
+    mask = torch.zeros((len(group), past_len + width), dtype=torch.long)
+    positions = torch.zeros((len(group), width), dtype=torch.long)
+    for g, ((req, _, _), keep) in enumerate(zip(group, kept, strict=True)):
+        prompt = req.prompt_ids
+        block = prompt[keep:]
+        ids[g, width - len(block):] = (torch.frombuffer(block, dtype=torch.int32) if isinstance(block, array)
+                                       else torch.tensor(list(block)))
+        positions[g, width - len(block):] = torch.arange(keep, len(prompt))
+        mask[g, past_len - keep:] = 1
+        mask[g, past_len:past_len + width - len(block)] = 0  # a prompt shorter than the block: left padding
+    past = None
+    if past_len:
+        layers = []
+        for i, (k0, _) in enumerate(next(p for _, _, p in group if p is not None)):
+            shape = (len(group), k0.shape[1], past_len, k0.shape[3])
+            keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+            for g, ((_, _, p), keep) in enumerate(zip(group, kept, strict=True)):
+                if keep:
+                    keys[g, :, past_len - keep:] = p[i][0][0, :, :keep]
+                    values[g, :, past_len - keep:] = p[i][1][0, :, :keep]
+            layers.append((keys, values))
+        past = kv_cache.make_cache(layers)
+    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                past_key_values=past, use_cache=True, logits_to_keep=1)
+    layers = kv_cache.layers_of(out.past_key_values)
+    logits = out.logits[:, -1, :].float()
+    results = []
+    for g, ((req, _, _), keep) in enumerate(zip(group, kept, strict=True)):
+        n = len(req.prompt_ids)
+        results.append(([(k[g:g + 1, :, -n:], v[g:g + 1, :, -n:]) for k, v in layers], logits[g:g + 1], n - keep))
+    return results

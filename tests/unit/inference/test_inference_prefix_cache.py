@@ -84,8 +84,18 @@ async def test_a_batch_with_shared_prefixes_samples_what_an_uncached_batch_does(
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     stats = backend.prefix_cache.stats()
-    # 1st round: the 2nd and 3rd questions find the shared preamble the 1st stored
-    assert stats["hits"] >= 2 + 4 and stats["tokens_saved"] >= 2 * (len(SHARED) - 1)
+    # 2nd round: every prompt finds itself (and the three questions the shared preamble) stored by the 1st
+    assert stats["hits"] >= 4 and stats["tokens_saved"] >= 3 * (len(SHARED) - 1)
+
+
+async def test_identical_prompts_in_one_batch_are_prefilled_once_and_sample_as_without_the_cache() -> None:
+    prompts = [SHARED + QUESTIONS[0]] * 4  # a GRPO group: the attempts of one task, separate requests
+    params = [SamplingParams(1.0, 1.0, 8, seed=i) for i in range(4)]
+    backend, got, want = await _both(prompts, params, rounds=1)
+    _assert_same(got[0], want[0])
+    stats = backend.prefix_cache.stats()
+    assert backend.batches_run == 1, "the four requests did not arrive in one batch"
+    assert stats["tokens_computed"] == len(prompts[0]) and stats["tokens_saved"] == 3 * len(prompts[0]), stats
 
 
 async def test_n_choices_share_one_prefill_and_sample_as_without_the_cache() -> None:
@@ -222,3 +232,29 @@ def test_serve_reports_the_prefix_cache_on_metrics(tmp_path: Path) -> None:
     assert 0 < _metric(text, "boltstream_inference_prefix_cache_bytes") <= 8 << 20
     assert _metric(text, "boltstream_inference_prefix_cache_tokens") >= saved
     assert _metric(text, "boltstream_inference_prefix_cache_evictions_total") == 0
+
+
+@pytest.mark.parametrize("slack", [0, 1000])
+async def test_prompts_with_and_without_cached_prefixes_share_a_forward_and_sample_as_without_the_cache(
+        monkeypatch: pytest.MonkeyPatch, slack: int) -> None:
+    """One forward (slack 1000: the cached prompt recomputes part of its prefix to line up with an uncached
+    one) or one per prompt (slack 0): the same samples as an uncached worker."""
+    from boltstream.inference import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "RECOMPUTE_SLACK", slack)
+    warm = [SHARED + QUESTIONS[0]]
+    prompts = [SHARED + QUESTIONS[1], list(b"a longer prompt that nothing stored starts like, none at all"),
+               list(b"short")]
+    params = [SamplingParams(1.0, 1.0, 10, seed=i) for i in range(3)]
+    cached, plain = _backend(), _backend(budget=0)
+    await cached.start()
+    await plain.start()
+    try:
+        await _run(cached, warm, params[:1])
+        got = await _run(cached, prompts, params)
+        want = await _run(plain, prompts, params)
+    finally:
+        await cached.stop()
+        await plain.stop()
+    _assert_same(got, want)
+    assert cached.prefix_cache.stats()["hits"] >= 1
