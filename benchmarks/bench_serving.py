@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine import bounds, cpu_facts, describe
+from machine import bounds, cpu_facts, describe_cpu
 
 from boltstream.inference.launch import WorkerProcess
 from boltstream.stack import embedded_stack, settings_env
@@ -98,7 +98,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     facts = cpu_facts()
     machine = bounds()
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    print(f"machine: {describe(facts)}")
+    print(f"machine: {describe_cpu(facts)}")
     print(f"bounds (same run): copy {machine['copy_gb_s']:.1f} GB/s, read {machine['read_gb_s']:.1f} GB/s, "
           f"float32 matmul {machine['matmul_gflop_s']:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB in "
           f"{dtype_name} -> a decode step >= {weight_bytes / machine['copy_gb_s'] / 1e6:.1f} ms (copy rate), "

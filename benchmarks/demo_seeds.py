@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from boltstream.weights.models import describe_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -52,6 +54,8 @@ class SeedResult:
     wall_s: float
     peak_rss_mb: float | None
     stopped_by_time_budget: bool = False
+    machine: str = "not recorded"  # the CPU and its native bf16 (boltstream.weights.models.describe_cpu)
+    serve_dtype: str = "not recorded"  # the dtype the worker served in
 
     @property
     def significant(self) -> bool:
@@ -84,6 +88,8 @@ def seed_result(summary: Mapping[str, Any], fallback_seed: str, source: str = "s
         improvement=number("improvement"), improvement_se=number("improvement_se"),
         steps=int(number("learner_steps")), wall_s=number("wall_s"), peak_rss_mb=rss,
         stopped_by_time_budget=bool(summary.get("stopped_by_time_budget", False)),
+        machine=describe_cpu(summary["machine"]) if isinstance(summary.get("machine"), Mapping) else "not recorded",
+        serve_dtype=str(summary.get("serve_dtype_resolved", "not recorded")),
     )
 
 
@@ -132,6 +138,8 @@ def table(results: Sequence[SeedResult]) -> str:
         lines += [mean_row(results), "",
                   "Mean row: the mean over seeds ± its standard error across seeds; an improvement counts "
                   f"(> 3 SE) when it exceeds {SIGNIFICANT_SE:g} times its own paired standard error."]
+    lines += ["", "Served in " + " / ".join(sorted({r.serve_dtype for r in results})) + " on "
+              + " / ".join(sorted({r.machine for r in results})) + "."]
     return "\n".join(lines)
 
 

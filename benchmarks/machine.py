@@ -1,9 +1,9 @@
 """What the machine can do, measured in the benchmark's own run: the bounds a hot path is compared with.
 
 Every timing on a CPU depends on facts a reader needs next to it (native bf16 or
-not, cores, torch's thread count and OpenMP wait policy), and a speed means little
-without the bound the hardware sets on the same box, measured in the same run
-(these machines are shared and their speed drifts):
+not, cores, torch's thread count and OpenMP wait policy: :func:`cpu_facts`), and a
+speed means little without the bound the hardware sets on the same box, measured
+in the same run (these machines are shared and their speed drifts):
 
 * compute: a large float32 matrix product's GFLOP/s;
 * memory: a large copy's GB/s (bytes copied per second, the buffer's size over
@@ -14,39 +14,12 @@ without the bound the hardware sets on the same box, measured in the same run
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from typing import Any
 
-from boltstream.weights.models import cpu_has_native_bf16
+from boltstream.weights.models import cpu_facts, describe_cpu
 
-
-def cpu_facts() -> dict[str, Any]:
-    """The CPU's model name and the flags that change which kernels run, and torch's thread settings."""
-    import torch
-
-    flags: set[str] = set()
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                elif line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": name, "cores": os.cpu_count(), "native_bf16": cpu_has_native_bf16(),
-            "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"}),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)")}
-
-
-def describe(facts: dict[str, Any]) -> str:
-    return (f"{facts['cpu']}, {facts['cores']} cores, native bf16 {'yes' if facts['native_bf16'] else 'no'} "
-            f"(flags: {' '.join(facts['flags']) or 'none of avx2/avx512'}), torch {facts['torch']} "
-            f"{facts['torch_threads']} threads, OMP_WAIT_POLICY={facts['omp_wait_policy']}")
+__all__ = ["bounds", "cpu_facts", "describe_cpu"]
 
 
 def _best(fn: Any, repeats: int) -> float:

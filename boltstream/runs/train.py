@@ -46,6 +46,7 @@ from boltstream.runs.progress import choose_display
 from boltstream.status import ENDPOINTS_FILE
 from boltstream.streams.config import StreamConfig
 from boltstream.tracking import Trackers, open_trackers
+from boltstream.weights.models import cpu_facts, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,9 @@ def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, A
     }
     if roles:
         summary["frozen_roles"] = [r.name for r in cfg.role_specs()[1]]
+    # what the run's speed and learning depend on: the CPU (native bf16 or not) and the weights' dtype served
+    summary["machine"] = cpu_facts(with_torch=False)
+    summary["serve_dtype_resolved"] = resolve_dtype(cfg.serve_dtype) or "the checkpoint's (float32 for smollm2)"
     return summary
 
 

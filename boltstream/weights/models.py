@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -295,6 +296,41 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
         if line.startswith("flags"):
             return bool({"avx512_bf16", "amx_bf16"} & set(line.partition(":")[2].split()))
     return False
+
+
+def cpu_facts(with_torch: bool = True) -> dict[str, Any]:
+    """The CPU's model name, the flags that decide which kernels run (native bf16, AVX-512, AMX) and
+    (``with_torch``) this process's torch thread settings: what a timing or a learning result must be
+    read next to."""
+    flags: set[str] = set()
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    facts: dict[str, Any] = {
+        "cpu": name, "cores": os.cpu_count(), "native_bf16": cpu_has_native_bf16(),
+        "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})}
+    if with_torch:
+        import torch
+
+        facts.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"))
+    return facts
+
+
+def describe_cpu(facts: dict[str, Any]) -> str:
+    """:func:`cpu_facts` in one line."""
+    text = (f"{facts['cpu']}, {facts['cores']} cores, native bf16 {'yes' if facts['native_bf16'] else 'no'} "
+            f"(flags: {' '.join(facts['flags']) or 'none of avx2/avx512/amx'})")
+    if "torch" in facts:
+        text += (f", torch {facts['torch']} {facts['torch_threads']} threads, "
+                 f"OMP_WAIT_POLICY={facts['omp_wait_policy']}")
+    return text
 
 
 def resolve_dtype(dtype: str | None, device: str = "cpu", cpuinfo: str | None = None) -> str | None:

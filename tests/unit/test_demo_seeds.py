@@ -44,7 +44,11 @@ def summary(before: dict, after: dict, improvement: float, improvement_se: float
         "before": before, "stopped_by_time_budget": budget, "train_s": wall_s - 300,
         "learner_steps": steps, "learner_peak_rss_mb": rss, "policy_version_served": steps,
         "after": after, "wall_s": wall_s, "improvement": improvement, "improvement_se": improvement_se,
+        "machine": MACHINE, "serve_dtype_resolved": "float32",
     }
+
+
+MACHINE = {"cpu": "Some Xeon", "cores": 2, "native_bf16": False, "flags": ["avx2", "avx512f"]}
 
 
 SEED_0 = summary(score(0.188, 0.054), score(0.609, 0.077), 0.422, 0.087)
@@ -88,7 +92,12 @@ def test_mean_row_averages_over_seeds_and_counts_the_significant_ones() -> None:
     assert lines[:2] == seeds.HEADER.splitlines()
     assert lines[2] == README_ROW_0 and lines[4].startswith("| mean of 2 |")
     assert lines[5] == "" and lines[6].startswith("Mean row: ")
-    assert seeds.table(results[:1]).splitlines() == [*seeds.HEADER.splitlines(), README_ROW_0]  # no mean of one
+    # what the numbers depend on: the serving dtype and the CPU's native bf16
+    served = "Served in float32 on Some Xeon, 2 cores, native bf16 no (flags: avx2 avx512f)."
+    assert lines[7:] == ["", served]
+    assert seeds.table(results[:1]).splitlines() == [*seeds.HEADER.splitlines(), README_ROW_0, "", served]
+    old = seeds.seed_result({k: v for k, v in SEED_0.items() if k not in ("machine", "serve_dtype_resolved")}, "x")
+    assert seeds.table([old]).splitlines()[-1] == "Served in not recorded on not recorded."
 
 
 def test_the_seed_falls_back_to_the_run_folder() -> None:
