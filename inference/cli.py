@@ -52,7 +52,7 @@ class ServeConfig:
                                   "checkpoint's) (default: the checkpoint's)", choices=DTYPES)
     device: str = opt("cpu", "transformers backend device")
     seed: int = opt(0, "seed of the tiny model's random weights")
-    max_batch_size: int = opt(16, "most sequences decoded together")
+    max_batch_size: int = opt(32, "most sequences decoded together")
     batch_window_ms: float = opt(2.0, "how long to collect concurrent requests into a batch")
     max_context: int | None = opt(None, "context limit in tokens (default: the model's)")
     merge_lora: bool = opt(True, "transformers backend: serve the policy's LoRA checkpoints merged into a copy of "
