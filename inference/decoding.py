@@ -166,6 +166,20 @@ def advance(model: Any, state: DecodeState) -> None:
     state.logits = out.logits[:, -1, :].float()
 
 
+def advance_and_prefill(model: Any, state: DecodeState, block: Any) -> tuple[kv_cache.KV, Any]:
+    """:func:`advance`, and in the same pass over the weights the prefill of ``block`` (a
+    :class:`~boltstream.inference.prefix_cache.Block`): its KV per layer and its next-token logits."""
+    import torch
+
+    step = llama_step.step_for(model)
+    assert step is not None and isinstance(state.cache, KVBuffer), "needs the plain-torch step"
+    nxt = torch.tensor([r.ids[-1] for r in state.rows], dtype=torch.long, device=state.mask.device)
+    state.mask = torch.cat([state.mask, torch.ones_like(nxt).unsqueeze(-1)], dim=-1)
+    state.positions = state.positions + 1
+    state.logits, logits, layers = step(nxt, state.positions, state.mask, state.cache, block)
+    return layers, logits
+
+
 def sample(state: DecodeState) -> tuple[list[int], list[float]]:
     """Next token of every row and its logprob under log_softmax(logits / T), before top-p truncation.
 

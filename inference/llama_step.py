@@ -132,40 +132,93 @@ class LlamaStep:
             self.gate_up = [torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous()
                             for la in self.layers]
 
-    def __call__(self, ids: Any, positions: Any, mask: Any, kv: KVBuffer) -> Any:
+    def __call__(self, ids: Any, positions: Any, mask: Any, kv: KVBuffer, block: Any = None) -> Any:
         """Logits (float32, ``[batch, vocab]``) after feeding ``ids`` (``[batch]``) at ``positions``
         (``[batch, 1]``); ``mask`` (``[batch, kv.length + 1]``, 1 = real token) covers the new column,
-        which this step writes into ``kv``."""
-        import torch.nn.functional as F
+        which this step writes into ``kv``.
+
+        With ``block`` (a :class:`~boltstream.inference.prefix_cache.Block`: ``G`` prompts of ``S`` new
+        tokens each after a past of ``P``), the same pass over the weights also prefills it: returns
+        ``(logits, block_logits [G, vocab], block_layers)``, the latter ``(keys, values)`` per layer of
+        ``[G, kv_heads, P + S, head_dim]``. Requests that join a running batch cost no pass of their own."""
+        import torch
 
         kv.reserve(1)
         col = kv.length
         rows = ids.shape[0]
-        x = self.embed(ids)  # [B, H]
-        cos, sin = self.rotary(x.unsqueeze(1), positions)  # [B, 1, head_dim]
-        visible = (mask != 0).view(rows, 1, 1, -1)  # left padding is never attended to
         group = self.heads // self.kv_heads
+        visible = (mask != 0).view(rows, 1, 1, -1)  # left padding is never attended to
+        feed, where = ids, positions.view(-1)
+        if block is not None:
+            g, width = block.ids.shape
+            feed = torch.cat([ids, block.ids.reshape(-1).to(ids.device)])
+            where = torch.cat([where, block.positions.reshape(-1).to(ids.device)])
+            allowed = _block_mask(block.mask.to(ids.device), width)
+            block_layers: list[tuple[Any, Any]] = []
+        x = self.embed(feed)  # [N, H]: the running rows' tokens, then the block's
+        cos, sin = self.rotary(x.unsqueeze(0), where.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, head_dim]
+
+        def attend(i: int, q: Any, k: Any, v: Any) -> Any:
+            keys, values = kv.keys[i], kv.values[i]
+            keys[:, :, col] = k[:rows]
+            values[:, :, col] = v[:rows]
+            # the query heads of one key/value head attend together, as a query of `group` positions
+            qg = q[:rows].view(rows, self.kv_heads, group, self.head_dim)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qg, keys[:, :, :col + 1], values[:, :, :col + 1], attn_mask=visible, scale=self.scaling)
+            out = out.reshape(rows, -1)
+            if block is None:
+                return out
+            bq, bk, bv = (t[rows:].view(g, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            if block.past is not None:
+                bk = torch.cat([block.past[i][0], bk], dim=2)
+                bv = torch.cat([block.past[i][1], bv], dim=2)
+            block_layers.append((bk, bv))
+            bout = torch.nn.functional.scaled_dot_product_attention(bq, bk, bv, attn_mask=allowed,
+                                                                    scale=self.scaling, enable_gqa=True)
+            return torch.cat([out, bout.transpose(1, 2).reshape(g * width, -1)])
+
+        x = self._layers(x, cos, sin, attend)
+        kv.length = col + 1
+        if block is None:
+            return self.lm_head(self.norm(x)).float()
+        last = torch.cat([x[:rows], x[rows + width - 1::width]])  # each block row's last position
+        logits = self.lm_head(self.norm(last)).float()
+        return logits[:rows], logits[rows:], block_layers
+
+    def _layers(self, x: Any, cos: Any, sin: Any, attend: Any) -> Any:
+        """The decoder layers over token rows ``x`` (``[N, H]``); ``attend(layer, q, k, v)`` (``[N, heads,
+        head_dim]``, rotated) returns the attention output ``[N, heads * head_dim]``."""
+        import torch.nn.functional as F
+
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             q, k, v = F.linear(h, self.qkv[i]).split(self.splits, dim=-1)
-            q = q.view(rows, self.heads, self.head_dim)
-            k = k.view(rows, self.kv_heads, self.head_dim)
+            q = q.view(-1, self.heads, self.head_dim)
+            k = k.view(-1, self.kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys, values = kv.keys[i], kv.values[i]
-            keys[:, :, col] = k
-            values[:, :, col] = v.view(rows, self.kv_heads, self.head_dim)
-            keys, values = keys[:, :, :col + 1], values[:, :, :col + 1]
-            # the query heads of one key/value head attend together, as a query of `group` positions
-            qg = q.view(rows, self.kv_heads, group, self.head_dim)
-            attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible, scale=self.scaling)
-            attn = attn.reshape(rows, self.heads * self.head_dim)
-            x = x + layer.self_attn.o_proj(attn)
+            x = x + layer.self_attn.o_proj(attend(i, q, k, v.view(-1, self.kv_heads, self.head_dim)))
             h = layer.post_attention_layernorm(x)
             gate, up = F.linear(h, self.gate_up[i]).split(self.intermediate, dim=-1)
             x = x + layer.mlp.down_proj(self.act(gate) * up)
-        kv.length = col + 1
-        return self.lm_head(self.norm(x)).float()
+        return x
+
+
+def _block_mask(mask: Any, width: int) -> Any:
+    """``[G, 1, S, P + S]`` booleans: a block position sees the real tokens up to itself; a padding
+    position sees itself only (some attention kernels return NaN for a query that sees nothing, and
+    NaN times a probability of 0 would still reach the real rows through the values)."""
+    import torch
+
+    total = mask.shape[1]
+    key = torch.arange(total, device=mask.device)
+    query = torch.arange(total - width, total, device=mask.device)
+    causal = key.view(1, -1) <= query.view(-1, 1)  # [S, P + S]
+    allowed = causal.unsqueeze(0) & (mask != 0).unsqueeze(1)
+    allowed |= (key.view(1, -1) == query.view(-1, 1)).unsqueeze(0)
+    return allowed.unsqueeze(1)
 
 
 _steps: weakref.WeakKeyDictionary[Any, LlamaStep | None] = weakref.WeakKeyDictionary()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from boltstream.inference import kv_cache
@@ -117,26 +118,72 @@ RECOMPUTE_SLACK = 64
 
 def prefill(model: Any, rows: list[Row], device: Any, cache: PrefixCache, namespace: Hashable,
             valid: Callable[[], bool]) -> DecodeState:
-    """:func:`~boltstream.inference.decoding.prefill` of ``rows``, reusing and storing prompt KV.
+    """:func:`~boltstream.inference.decoding.prefill` of ``rows``, reusing and storing prompt KV: each
+    :class:`Block` of :func:`plan` is one forward of the model."""
+    return prefill_blocks(model, rows, plan(rows, cache, namespace, valid), device, cache, namespace, valid)
 
-    Each distinct prompt is prefilled once (a request's ``n`` choices and identical requests share it):
-    the prompts are looked up,
-    grouped by the length of what is left to compute (:data:`RECOMPUTE_SLACK`), and each group runs as
-    one left-padded forward over its rows' cached KV."""
+
+def prefill_blocks(model: Any, rows: list[Row], blocks: list[Block], device: Any, cache: PrefixCache,
+                   namespace: Hashable, valid: Callable[[], bool]) -> DecodeState:
+    """The decode state of ``rows`` after one forward of the model per block of their :func:`plan`."""
+    done: Done = {}
+    for block in blocks:
+        out = model(input_ids=block.ids.to(device), attention_mask=block.mask.to(device),
+                    position_ids=block.positions.to(device),
+                    past_key_values=kv_cache.make_cache(block.past) if block.past else None, use_cache=True,
+                    logits_to_keep=1)
+        record(block, kv_cache.layers_of(out.past_key_values), out.logits[:, -1, :].float(), cache, namespace,
+               valid, done)
+    return assemble(model, rows, done, device)
+
+
+Found = tuple[Any, int, Any]  # (request, tokens found in the cache, their KV or None)
+Done = dict[bytes, tuple[kv_cache.KV, Any]]  # prompt -> (its KV, its next-token logits)
+
+
+@dataclass
+class Block:
+    """One left-padded forward over a group of prompts and their cached KV.
+
+    Every row feeds its prompt's last ``S`` tokens (``S``: the group's longest uncached
+    remainder; a shorter prompt is left-padded) after the cached KV of the tokens before
+    them, the pasts left-padded to a common length ``P``: each row's tokens stay contiguous
+    at the right, as in a decode state."""
+
+    requests: list[Any]
+    kept: list[int]  # cached tokens each row attends to (the rest of its prompt is in the block)
+    ids: Any  # [G, S] token ids, 0 where padded
+    mask: Any  # [G, P + S] 1 = a real token
+    positions: Any  # [G, S]
+    past: kv_cache.KV | None  # [G, kv_heads, P, head_dim] per layer, or None when P = 0
+
+
+def plan(rows: list[Row], cache: PrefixCache, namespace: Hashable, valid: Callable[[], bool]) -> list[Block]:
+    """The forwards that prefill ``rows``: each distinct prompt once (a request's ``n`` choices and identical
+    requests share it), looked up in ``cache``, grouped by what is left to compute (:data:`RECOMPUTE_SLACK`)."""
+    distinct = list({r.request.prompt_ids.tobytes(): r.request for r in rows}.values())
+    found = [(req, *cache.lookup(namespace, req.prompt_ids, valid)) for req in distinct]
+    cache.count(0, sum(len(r.request.prompt_ids) for r in rows) - sum(len(q.prompt_ids) for q in distinct))
+    return [_block(group) for group in _groups(found)]
+
+
+def record(block: Block, layers: kv_cache.KV, logits: Any, cache: PrefixCache, namespace: Hashable,
+           valid: Callable[[], bool], done: Done) -> None:
+    """Store what ``block``'s forward computed (``layers``: ``[G, kv_heads, P + S, head_dim]``, ``logits``:
+    ``[G, vocab]``) in ``cache`` and ``done``, per request."""
+    for g, (req, keep) in enumerate(zip(block.requests, block.kept, strict=True)):
+        n = len(req.prompt_ids)
+        mine = [(k[g:g + 1, :, -n:], v[g:g + 1, :, -n:]) for k, v in layers]
+        cache.insert_row(namespace, req.prompt_ids, mine, 0, valid)
+        cache.count(n - keep, keep)
+        done[req.prompt_ids.tobytes()] = (mine, logits[g:g + 1])
+
+
+def assemble(model: Any, rows: list[Row], done: Done, device: Any) -> DecodeState:
+    """The decode state of ``rows`` from their prompts' KV and logits, left-padded to a common length."""
     import torch
     import torch.nn.functional as F
 
-    # one prefill per distinct prompt: a request's n choices, and a group's attempts of one task
-    distinct = list({r.request.prompt_ids.tobytes(): r.request for r in rows}.values())
-    found = [(req, *cache.lookup(namespace, req.prompt_ids, valid)) for req in distinct]
-    done: dict[bytes, tuple[kv_cache.KV, Any]] = {}  # prompt -> (its KV, its next-token logits)
-    for group in _groups(found):
-        for req, (layers, logits, computed) in zip((g[0] for g in group), _forward(model, group, device),
-                                                   strict=True):
-            cache.insert_row(namespace, req.prompt_ids, layers, 0, valid)
-            cache.count(computed, len(req.prompt_ids) - computed)
-            done[req.prompt_ids.tobytes()] = (layers, logits)
-    cache.count(0, sum(len(r.request.prompt_ids) for r in rows) - sum(len(q.prompt_ids) for q in distinct))
     width = max(len(r.request.prompt_ids) for r in rows)
     pads = [width - len(r.request.prompt_ids) for r in rows]
     per_row = [done[r.request.prompt_ids.tobytes()][0] for r in rows]
@@ -150,9 +197,6 @@ def prefill(model: Any, rows: list[Row], device: Any, cache: PrefixCache, namesp
     logits = torch.cat([done[r.request.prompt_ids.tobytes()][1] for r in rows])
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
     return DecodeState(rows, decode_cache(model, data), mask, positions, logits, temps)
-
-
-Found = tuple[Any, int, Any]  # (request, tokens found in the cache, their KV or None)
 
 
 def _groups(found: list[Found]) -> list[list[Found]]:
@@ -169,17 +213,12 @@ def _groups(found: list[Found]) -> list[list[Found]]:
     return groups
 
 
-def _forward(model: Any, group: list[Found], device: Any) -> list[tuple[kv_cache.KV, Any, int]]:
-    """One forward for ``group``: per request, its prompt's KV (``[1, kv_heads, len(prompt), head_dim]`` per
-    layer), its next-token logits and the prompt tokens computed.
-
-    Every row feeds its prompt's last ``S`` tokens (``S``: the group's longest uncached suffix; a shorter
-    prompt is left-padded) after the cached KV of the tokens before them, the pasts left-padded to a
-    common length: each row's tokens stay contiguous at the right, as in a decode state."""
+def _block(group: list[Found]) -> Block:
+    """The :class:`Block` of ``group``."""
     import torch
 
     width = max(len(req.prompt_ids) - m for req, m, _ in group)
-    kept = [max(len(req.prompt_ids) - width, 0) for req, _, _ in group]  # cached tokens each row attends to
+    kept = [max(len(req.prompt_ids) - width, 0) for req, _, _ in group]
     past_len = max(kept)
     ids = torch.zeros((len(group), width), dtype=torch.long)
     mask = torch.zeros((len(group), past_len + width), dtype=torch.long)
@@ -194,7 +233,7 @@ def _forward(model: Any, group: list[Found], device: Any) -> list[tuple[kv_cache
         mask[g, past_len:past_len + width - len(block)] = 0  # a prompt shorter than the block: left padding
     past = None
     if past_len:
-        layers = []
+        past = []
         for i, (k0, _) in enumerate(next(p for _, _, p in group if p is not None)):
             shape = (len(group), k0.shape[1], past_len, k0.shape[3])
             keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
@@ -202,14 +241,5 @@ def _forward(model: Any, group: list[Found], device: Any) -> list[tuple[kv_cache
                 if keep:
                     keys[g, :, past_len - keep:] = p[i][0][0, :, :keep]
                     values[g, :, past_len - keep:] = p[i][1][0, :, :keep]
-            layers.append((keys, values))
-        past = kv_cache.make_cache(layers)
-    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                past_key_values=past, use_cache=True, logits_to_keep=1)
-    layers = kv_cache.layers_of(out.past_key_values)
-    logits = out.logits[:, -1, :].float()
-    results = []
-    for g, ((req, _, _), keep) in enumerate(zip(group, kept, strict=True)):
-        n = len(req.prompt_ids)
-        results.append(([(k[g:g + 1, :, -n:], v[g:g + 1, :, -n:]) for k, v in layers], logits[g:g + 1], n - keep))
-    return results
+            past.append((keys, values))
+    return Block([req for req, _, _ in group], kept, ids, mask, positions, past)

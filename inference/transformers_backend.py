@@ -52,6 +52,7 @@ from boltstream.inference.backend import (
     TokenCallback,
     cut_at_stop,
 )
+from boltstream.inference.llama_step import KVBuffer
 from boltstream.inference.weights import Policy, WeightSwapping
 from boltstream.schemas.packed import I32, as_array
 from boltstream.weights.models import stop_token_ids
@@ -289,15 +290,6 @@ class TransformersBackend(WeightSwapping):
         state = self._prefill(policy, rows, key)
         joinable = decoding.can_join(state)
         while True:
-            if joinable and self._policies[key] is policy and self._pending and not self._closing:
-                joiners = self._take(len(state.rows), key, joining=True)
-                if joiners:
-                    self._in_job.extend(joiners)
-                    self.joined += len(joiners)
-                    new_rows = decoding.make_rows(joiners)
-                    for r in new_rows:
-                        rows_of.setdefault(id(r.request), []).append(r)
-                    state = decoding.join(state, self._prefill(policy, new_rows, key))
             tokens, logprobs = decoding.sample(state)
             keep: list[int] = []
             for j, (row, tok, lp) in enumerate(zip(state.rows, tokens, logprobs, strict=True)):
@@ -315,9 +307,42 @@ class TransformersBackend(WeightSwapping):
             if not keep:
                 return
             state = decoding.select(state, keep)
-            decoding.advance(model, state)
             self.decode_steps += 1
             self.decode_rows += len(keep)
+            joiners = self._take(len(state.rows), key, joining=True) if (
+                joinable and self._policies[key] is policy and self._pending and not self._closing) else []
+            if not joiners:
+                decoding.advance(model, state)
+                continue
+            self._in_job.extend(joiners)
+            self.joined += len(joiners)
+            new_rows = decoding.make_rows(joiners)
+            for r in new_rows:
+                rows_of.setdefault(id(r.request), []).append(r)
+            state = self._advance_joining(policy, state, new_rows, key)
+
+    def _advance_joining(self, policy: Policy, state: decoding.DecodeState, new_rows: list[decoding.Row],
+                         key: str | None) -> decoding.DecodeState:
+        """Advance the running rows and prefill ``new_rows`` joining them: in one pass over the weights when
+        the plain-torch step runs and the joiners' prompts make one block, else in a forward of their own."""
+        cache = self.prefix_cache
+        if not (cache.enabled and self._kv_reusable and isinstance(state.cache, KVBuffer)):
+            decoding.advance(policy.model, state)
+            return decoding.join(state, self._prefill(policy, new_rows, key))
+
+        def valid() -> bool:
+            return self._policies[key] is policy
+
+        blocks = prefix_cache.plan(new_rows, cache, key, valid)
+        if len(blocks) == 1:
+            layers, logits = decoding.advance_and_prefill(policy.model, state, blocks[0])
+            done: prefix_cache.Done = {}
+            prefix_cache.record(blocks[0], layers, logits, cache, key, valid, done)
+            joining = prefix_cache.assemble(policy.model, new_rows, done, self.device)
+        else:
+            decoding.advance(policy.model, state)
+            joining = prefix_cache.prefill_blocks(policy.model, new_rows, blocks, self.device, cache, key, valid)
+        return decoding.join(state, joining)
 
     def _check_finished(self, row: decoding.Row) -> None:
         params = row.params

@@ -107,24 +107,40 @@ async def test_n_choices_share_one_prefill_and_sample_as_without_the_cache() -> 
     assert stats["tokens_saved"] >= 2 * len(prompts[0]) + len(prompts[1])  # the choices after the first
 
 
-async def test_joiners_use_the_cache_and_sample_as_without_it() -> None:
+async def test_joiners_use_the_cache_share_the_decode_pass_and_sample_as_without_it() -> None:
+    forwards: list[int] = []
+
     async def scenario(backend: TransformersBackend) -> list[Generation]:
+        model = backend._base
+        own = model.forward
         await backend.start()
         try:
             started = asyncio.Event()
             long = asyncio.create_task(backend.generate(SHARED + QUESTIONS[0], SamplingParams(0.0, 1.0, 120),
                                                         on_token=lambda *a: started.set()))
             await started.wait()
+            calls = [0]
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                return own(*args, **kwargs)
+
+            model.forward = counted  # the model's own forward, from the moment the long request decodes
             joined = await _run(backend, [SHARED + QUESTIONS[1], SHARED + QUESTIONS[2]],
                                 [SamplingParams(0.9, 1.0, 10, seed=4, n=2), SamplingParams(0.5, 1.0, 10, seed=7)])
             assert backend.joined == 2 and not long.done()
+            forwards.append(calls[0])
             return [*joined, await long]
         finally:
+            del model.forward
             await backend.stop()
 
     cached = _backend()
     _assert_same(await scenario(cached), await scenario(_backend(budget=0)))
     assert cached.prefix_cache.stats()["tokens_saved"] >= 2 * (len(SHARED) - 1)
+    # with the cache the joiners' prompts make one block, prefilled in a decode step's pass (no forward of
+    # their own); without it they are prefilled by the model's forward
+    assert forwards[0] == 0 and forwards[1] >= 1, forwards
 
 
 async def test_an_agents_next_turn_finds_its_previous_turn_and_samples_as_without_the_cache() -> None:

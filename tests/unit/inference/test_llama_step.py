@@ -101,3 +101,37 @@ def test_the_engine_samples_the_same_tokens_and_logprobs_either_way(monkeypatch:
     assert [t for t, _ in fast] == [t for t, _ in plain]
     for (_, a), (_, b) in zip(fast, plain, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_a_block_prefilled_in_the_decode_pass_equals_its_own_forward() -> None:
+    """Joiners of different lengths, one with a cached prefix (recomputing part of it) and one shorter than
+    the block (left-padded): logits and KV as the model's own forward gives them, the running rows' step
+    unchanged."""
+    from boltstream.inference import kv_cache, prefix_cache
+
+    model, _ = tiny_model_and_tokenizer(0)
+    cache = prefix_cache.PrefixCache(64 << 20)
+    with torch.inference_mode():
+        prefix_cache.prefill(model, rows_for([[40, 41, 42, 43, 44, 45, 46, 47, 48]]), "cpu", cache, None, lambda: True)
+        joiners = rows_for([[40, 41, 42, 43, 44, 45, 46, 47, 60, 61, 62], [70, 71], [80, 81, 82, 83, 84, 85, 86]])
+        (block,) = prefix_cache.plan(joiners, cache, None, lambda: True)
+        assert block.past is not None and block.mask[2, :block.mask.shape[1] - block.ids.shape[1]].sum() == 0
+
+        def running() -> decoding.DecodeState:
+            state = decoding.prefill(model, rows_for([[5, 6, 7], [8, 9, 10, 11, 12]]), 0, "cpu")
+            for j, row in enumerate(state.rows):
+                row.ids.append(int(state.logits[j].argmax()))
+            return state
+
+        merged = running()
+        layers, logits = decoding.advance_and_prefill(model, merged, block)
+        plain = running()
+        decoding.advance(model, plain)
+        out = model(input_ids=block.ids, attention_mask=block.mask, position_ids=block.positions,
+                    past_key_values=kv_cache.make_cache(block.past), use_cache=True, logits_to_keep=1)
+    torch.testing.assert_close(merged.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, out.logits[:, -1].float(), atol=1e-5, rtol=1e-5)
+    real = block.mask.bool()  # padded positions hold whatever they computed: only real tokens' KV counts
+    for (k, v), (k2, v2) in zip(layers, kv_cache.layers_of(out.past_key_values), strict=True):
+        torch.testing.assert_close(k.permute(0, 2, 1, 3)[real], k2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.permute(0, 2, 1, 3)[real], v2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
