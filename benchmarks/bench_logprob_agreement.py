@@ -31,7 +31,7 @@ from boltstream.examples.calc.tasks import train_test
 from boltstream.inference.backend import SamplingParams
 from boltstream.inference.chat import render_prompt
 from boltstream.inference.transformers_backend import TransformersBackend
-from boltstream.learner.config import LearnerConfig
+from boltstream.learner.config import StepConfig
 from boltstream.weights.models import cpu_facts, describe_cpu, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--out", default=str(RESULTS / "logprob_agreement.json"))
     args = p.parse_args(argv)
-    clip = LearnerConfig()
+    clip = StepConfig()
     learner, tokenizer = load_model(args.model)  # float32: what the learner computes in
     questions = [t["question"] for t in train_test()[0][:args.tasks]]
     prompts = [render_prompt(tokenizer, [{"role": "system", "content": SYSTEM}, *EXAMPLE,

@@ -11,14 +11,15 @@ once through the model's own forward, alternating. Printed next to them, from
 the same run (benchmarks/machine.py): the memory bound of a decode step
 (the weights' bytes in the serving dtype over a large copy's GB/s, and over a
 large read's GB/s) and the compute bound of the prefill (2 FLOPs per weight per
-token over a large float32 matmul's GFLOP/s), with the ratio to each; and the
+token over a large matmul's GFLOP/s in the serving dtype), with the ratio to each; and the
 CPU's flags, dtype and thread settings.
 
-Part 2, the worker (``--rounds`` > 0): a ``boltstream serve`` process on the
-embedded stack with token capture ON (every answer waits for its span's
-broker ack), as in training; the same seeded chat requests sent one at a time,
-then by ``--clients`` closed-loop clients, alternating for ``--rounds``
-rounds; the ratio shows what continuous batching buys.
+Part 2, the workers (``--rounds`` > 0), per ``--backends`` (transformers, and
+vLLM's CPU build from the virtualenv ``make vllm-env`` builds): a ``boltstream
+serve`` process on the embedded stack with token capture ON (every answer waits
+for its span's broker ack), as in training; the same seeded chat requests sent
+one at a time, then by ``--clients`` closed-loop clients, alternating for
+``--rounds`` rounds; the ratio shows what continuous batching buys.
 JSON goes to benchmarks/results/serving.json.
 """
 
@@ -44,6 +45,7 @@ from boltstream.stack import embedded_stack, settings_env
 from boltstream.weights.models import load_model, model_dir, resolve_dtype
 
 RESULTS = Path(__file__).parent / "results"
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 TOPICS = ["the ocean", "a robot learning to paint", "prime numbers", "a rainy day in Lisbon", "compilers",
           "honeybees", "the moon landing", "sourdough bread"]
 
@@ -96,11 +98,11 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     flops_per_token = 2 * sum(p.numel() for p in model.parameters())
     facts = cpu_facts()
-    machine = bounds()
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    machine = bounds(dtype=dtype_name)
     print(f"machine: {describe_cpu(facts)}")
     print(f"bounds (same run): copy {machine['copy_gb_s']:.1f} GB/s, read {machine['read_gb_s']:.1f} GB/s, "
-          f"float32 matmul {machine['matmul_gflop_s']:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB in "
+          f"{dtype_name} matmul {machine['matmul_gflop_s']:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB in "
           f"{dtype_name} -> a decode step >= {weight_bytes / machine['copy_gb_s'] / 1e6:.1f} ms (copy rate), "
           f">= {weight_bytes / machine['read_gb_s'] / 1e6:.1f} ms (read rate)", flush=True)
     _engine_once(model, 2, 32, 2, plain=False)  # warm-up: first-call allocations, the step's probe
@@ -233,20 +235,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--engine-rounds", type=int, default=2, help="alternations of the two decode paths per batch")
+    p.add_argument("--backends", type=lambda v: v.split(","), default=["transformers", "vllm"],
+                   help="the workers part 2 measures (vllm: in the virtualenv `make vllm-env` builds)")
     args = p.parse_args(argv)
     model_dir(args.model)  # de-quantise once, outside the timings
     report: dict[str, Any] = {"benchmark": "serving", "model": args.model, "serve_dtype": args.serve_dtype,
                               "cpus": os.cpu_count(), "machine": platform.machine(), "python": sys.version.split()[0],
                               "engine": engine(args)}
-    if args.rounds > 0:
+    report["workers"] = {}
+    for backend in args.backends if args.rounds > 0 else []:
+        python = None
+        if backend == "vllm":
+            python = str(VLLM_PYTHON)
+            if not VLLM_PYTHON.exists():
+                print(f"vllm: not measured ({VLLM_PYTHON} is missing: make vllm-env)")
+                continue
         with tempfile.TemporaryDirectory(prefix="bench-serving-") as d, embedded_stack(d) as settings:
             env = worker_env(settings, d)
-            with WorkerProcess(["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients),
-                                "--dtype", args.serve_dtype], env=env, log_path=Path(d) / "worker.log") as worker:
+            argv = ["--model", args.model, "--port", "0", "--max-batch-size", str(args.clients), "--dtype",
+                    args.serve_dtype, "--backend", backend]
+            with WorkerProcess(argv, env=env, log_path=Path(d) / "worker.log", python=python) as worker:
                 assert worker.url is not None
+                print(f"worker, {backend} backend:", flush=True)
                 results = asyncio.run(run(worker.url, args))
-        report.update(clients=args.clients, max_tokens=args.max_tokens, capture=True, **results)
-        print(f"throughput ratio ({args.clients} concurrent / one at a time): {results['speedup']:.2f}x")
+        report["workers"][backend] = results
+        print(f"{backend}: {results['concurrent']['tokens_per_s']:.1f} tok/s with {args.clients} concurrent clients, "
+              f"{results['sequential']['tokens_per_s']:.1f} one at a time ({results['speedup']:.2f}x)")
+    report.update(clients=args.clients, max_tokens=args.max_tokens, capture=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"-> {args.out}")

@@ -5,7 +5,7 @@ not, cores, torch's thread count and OpenMP wait policy: :func:`cpu_facts`), and
 speed means little without the bound the hardware sets on the same box, measured
 in the same run (these machines are shared and their speed drifts):
 
-* compute: a large float32 matrix product's GFLOP/s;
+* compute: a large matrix product's GFLOP/s in the dtype measured;
 * memory: a large copy's GB/s (bytes copied per second, the buffer's size over
   the time) and a large reduction's read GB/s. A decode step must read every
   weight once, so ``weight bytes / GB/s`` bounds its time from below; the copy's
@@ -32,9 +32,10 @@ def _best(fn: Any, repeats: int) -> float:
     return min(times)
 
 
-def bounds(size_mib: int = 512, matmul: int = 2048, repeats: int = 5) -> dict[str, float]:
+def bounds(size_mib: int = 512, matmul: int = 2048, repeats: int = 5, dtype: str = "float32") -> dict[str, float]:
     """``copy_gb_s`` (a ``size_mib`` buffer copied, its size over the best time), ``read_gb_s`` (a sum over
-    it) and ``matmul_gflop_s`` (float32 ``matmul`` x ``matmul``), each the best of ``repeats``."""
+    it) and ``matmul_gflop_s`` (a ``matmul`` x ``matmul`` product in ``dtype``: bf16 runs on other units
+    than float32 where the CPU has them), each the best of ``repeats``."""
     import torch
 
     n = size_mib * 2**20 // 4
@@ -42,8 +43,8 @@ def bounds(size_mib: int = 512, matmul: int = 2048, repeats: int = 5) -> dict[st
     dst = torch.empty_like(src)
     copy = _best(lambda: dst.copy_(src), repeats)
     read = _best(lambda: src.sum(), repeats)
-    a = torch.randn(matmul, matmul)
-    b = torch.randn(matmul, matmul)
+    a = torch.randn(matmul, matmul).to(getattr(torch, dtype))
+    b = torch.randn(matmul, matmul).to(getattr(torch, dtype))
     mm = _best(lambda: a @ b, repeats)
     nbytes = n * 4
     return {"copy_gb_s": nbytes / copy / 1e9, "read_gb_s": nbytes / read / 1e9,

@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 READY = re.compile(r"boltstream serve: ready on (http://\S+)")
 
 
-def serve_argv(*args: str) -> list[str]:
-    """argv for ``boltstream serve ARGS`` with the current interpreter's installation."""
-    exe = Path(sys.executable).with_name("boltstream")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "boltstream.cli"]
+def serve_argv(*args: str, python: str | None = None) -> list[str]:
+    """argv for ``boltstream serve ARGS`` with the installation of ``python`` (default: this interpreter's;
+    the vLLM worker has a virtualenv of its own)."""
+    python = python or sys.executable
+    exe = Path(python).with_name("boltstream")
+    base = [str(exe)] if exe.exists() else [python, "-m", "boltstream.cli"]
     return [*base, "serve", *args]
 
 
@@ -39,8 +41,9 @@ class WorkerProcess:
     """One ``boltstream serve`` child; ``url`` is set once it is ready. Use as a context manager."""
 
     def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 log_path: str | os.PathLike[str] | None = None) -> None:
+                 log_path: str | os.PathLike[str] | None = None, python: str | None = None) -> None:
         self.args = list(args)
+        self.python = python
         self.env = dict(os.environ if env is None else env)
         self.log_path = Path(log_path) if log_path else None
         self.url: str | None = None
@@ -51,7 +54,7 @@ class WorkerProcess:
         """Start the worker and return its base URL (without ``/v1``) once it is ready."""
         err = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(serve_argv(*self.args), env=self.env, stdout=subprocess.PIPE, stderr=err,
+            self.proc = subprocess.Popen(serve_argv(*self.args, python=self.python), env=self.env, stdout=subprocess.PIPE, stderr=err,
                                          stdin=subprocess.DEVNULL, text=True)
         finally:
             if self.log_path:
