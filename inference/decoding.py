@@ -150,17 +150,13 @@ def select(state: DecodeState, keep: list[int]) -> DecodeState:
 
 def advance(model: Any, state: DecodeState) -> None:
     """Feed every row's last sampled token; ``state.logits`` becomes the next step's."""
-    import torch
-
-    nxt = torch.tensor([[r.ids[-1]] for r in state.rows], dtype=torch.long, device=state.mask.device)
-    state.mask = torch.cat([state.mask, torch.ones_like(nxt)], dim=-1)
-    state.positions = state.positions + 1
+    nxt = _feed(state)
     if isinstance(state.cache, KVBuffer):
         step = llama_step.step_for(model)
         assert step is not None, "a KV buffer is only made for a model with a llama_step"
-        state.logits = step(nxt[:, 0], state.positions, state.mask, state.cache)
+        state.logits = step(nxt, state.positions, state.mask, state.cache)
         return
-    out = model(input_ids=nxt, attention_mask=state.mask, position_ids=state.positions,
+    out = model(input_ids=nxt.unsqueeze(-1), attention_mask=state.mask, position_ids=state.positions,
                 past_key_values=state.cache, use_cache=True)
     state.cache = out.past_key_values
     state.logits = out.logits[:, -1, :].float()
@@ -169,15 +165,21 @@ def advance(model: Any, state: DecodeState) -> None:
 def advance_and_prefill(model: Any, state: DecodeState, block: Any) -> tuple[kv_cache.KV, Any]:
     """:func:`advance`, and in the same pass over the weights the prefill of ``block`` (a
     :class:`~boltstream.inference.prefix_cache.Block`): its KV per layer and its next-token logits."""
-    import torch
-
     step = llama_step.step_for(model)
     assert step is not None and isinstance(state.cache, KVBuffer), "needs the plain-torch step"
+    nxt = _feed(state)
+    state.logits, logits, layers = step(nxt, state.positions, state.mask, state.cache, block)
+    return layers, logits
+
+
+def _feed(state: DecodeState) -> Any:
+    """Every row's last sampled token (``[batch]``), its column added to the mask and its position."""
+    import torch
+
     nxt = torch.tensor([r.ids[-1] for r in state.rows], dtype=torch.long, device=state.mask.device)
     state.mask = torch.cat([state.mask, torch.ones_like(nxt).unsqueeze(-1)], dim=-1)
     state.positions = state.positions + 1
-    state.logits, logits, layers = step(nxt, state.positions, state.mask, state.cache, block)
-    return layers, logits
+    return nxt
 
 
 def sample(state: DecodeState) -> tuple[list[int], list[float]]:

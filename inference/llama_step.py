@@ -84,9 +84,8 @@ class KVBuffer:
 
     def select(self, rows: Any) -> None:
         """Keep only the batch rows at ``rows`` (an index tensor), in place."""
-        n = self.length
-        self.keys = [k.index_select(0, rows) if n == 0 else _narrowed(k, rows, n) for k in self.keys]
-        self.values = [v.index_select(0, rows) if n == 0 else _narrowed(v, rows, n) for v in self.values]
+        self.keys = [_narrowed(k, rows, self.length) for k in self.keys]
+        self.values = [_narrowed(v, rows, self.length) for v in self.values]
 
 
 def _narrowed(t: Any, rows: Any, n: int) -> Any:
