@@ -109,6 +109,7 @@ class Group:
     refs: list[Ref]
     reward_mean: float = 0.0
     complete: bool = True
+    reward_std: float = 0.0  # the spread of the group's episode rewards (0: every attempt scored alike)
 
 
 @dataclass
@@ -221,7 +222,8 @@ class GroupAssembler:
             first = partial.parts[0]
             samples = [s for i in range(num_parts) for s in partial.parts[i]["samples"]]
             self.ready.append(Group(batch_id, str(first.get("task_id", "")), samples, partial.refs,
-                                    float(first.get("reward_mean", 0.0)), bool(first.get("complete", True))))
+                                    float(first.get("reward_mean", 0.0)), bool(first.get("complete", True)),
+                                    float(first.get("reward_std", 0.0))))
 
     def _drop_record(self, ref: Ref, reason: str) -> None:
         self.dropped[f"record_{reason}"] += 1

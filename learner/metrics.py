@@ -47,7 +47,11 @@ GAUGES = {
     "tokens_per_s": "input tokens per second of step compute",
     "wall_tokens_per_s": "input tokens per second of wall time (waiting for data included)",
     "unique_tokens": "tokens the decoder computed in the last step (a prefix shared in a micro-batch once)",
+    "groups_without_spread": "share of the last step's groups whose attempts all scored alike (no signal)",
+    "reward_spread_mean": "mean within-group std of episode rewards in the last step",
 }
+# a group whose rewards' std is at most this scored alike: its advantages are 0
+NO_SPREAD = 1e-9
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
@@ -67,6 +71,8 @@ def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall
         "advantage_min": min(advantages, default=0.0),
         "advantage_max": max(advantages, default=0.0),
         "groups": len(inp.groups),
+        "groups_without_spread": sum(g.reward_std <= NO_SPREAD for g in inp.groups) / max(1, len(inp.groups)),
+        "reward_spread_mean": sum(g.reward_std for g in inp.groups) / max(1, len(inp.groups)),
         "wall_seconds": wall_seconds,
         "wall_tokens_per_s": m.input_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "staleness": dict(sorted(inp.staleness.items())),

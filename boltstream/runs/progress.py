@@ -78,6 +78,10 @@ class ProgressLines:
     def plan(self, steps: int, budget_s: float, started: float) -> None:
         self.steps, self.deadline = steps, started + budget_s
 
+    def hint(self, text: str) -> None:
+        """A run that may not be learning: what to change (boltstream.learner.hints)."""
+        self.say(f"not learning? {text}")
+
     def phase(self, text: str) -> None:
         self.state = text
         self.say(text)
@@ -138,6 +142,10 @@ class LiveDisplay:
 
     def plan(self, steps: int, budget_s: float, started: float) -> None:
         self.steps = steps
+
+    def hint(self, text: str) -> None:
+        """Printed above the live table, where it stays."""
+        self.live.console.print(f"[bold]not learning?[/bold] {text}")
 
     def phase(self, text: str) -> None:
         self.state = text

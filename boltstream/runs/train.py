@@ -29,7 +29,7 @@ from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass, load
 from boltstream.inference.cli import DTYPES
-from boltstream.learner import timeline
+from boltstream.learner import hints, timeline
 from boltstream.learner.config import LearnerConfig
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
@@ -198,8 +198,9 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             eval_reserve = 1.5 * eval_s + 30.0
             deadline = started + cfg.time_budget_s - eval_reserve
 
+            summary["hints"] = {}  # what stuck_hint said, and at which step it first did
             summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline,
-                                                                       display, group_size)
+                                                                       display, group_size, summary["hints"])
             if summary["stopped_by_time_budget"]:
                 # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
                 log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the "
@@ -254,16 +255,27 @@ def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, A
 
 
 def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port: int,
-                       deadline: float, display: Any, group_size: int) -> bool:
-    """Wait (updating ``display``) until every learner logged ``cfg.steps`` steps or ``deadline`` passes;
-    whether they all did."""
+                       deadline: float, display: Any, group_size: int, hint_steps: dict[str, int]) -> bool:
+    """Wait (updating ``display``, and saying each hint of :func:`~boltstream.learner.hints.stuck_hint` once,
+    kept in ``hint_steps`` with the step it appeared at) until every learner logged ``cfg.steps`` steps or
+    ``deadline`` passes; whether they all did."""
 
     def learner_done() -> bool:
         rows = {name: _steps(path) for name, path in metrics.items()}
         if display is not None:
             display.update(rows=next(iter(rows.values())), version=worker_version(port), procs=procs,
                            worker_port=port, group_size=group_size)
+        for name, steps in rows.items():
+            hint = hints.stuck_hint(steps)
+            if hint is not None and hint not in said:
+                said[hint] = steps[-1]["step"]
+                text = f"{name}: {hint}" if len(rows) > 1 else hint
+                log.warning("not learning? %s", text)
+                if display is not None:
+                    display.hint(text)
         return all(r and r[-1]["step"] >= cfg.steps for r in rows.values())
+
+    said = hint_steps
 
     with contextlib.suppress(Exception):
         wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
@@ -405,5 +417,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(", ".join(f"{name}: {value}" for name, value in facts.items() if value is not None))
     if summary.get("step_time"):
         Console().print(f"time in learner steps: {timeline.format_timeline(summary['step_time'])}")
+    for hint, step in summary.get("hints", {}).items():
+        Console().print(f"[bold]not learning?[/bold] (from step {step}) {hint}")
     if summary.get("stopped_by_time_budget"):
         Console().print("[bold]the time budget ran out before the learner's last step: raise --time-budget[/bold]")

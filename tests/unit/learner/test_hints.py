@@ -1,0 +1,31 @@
+"""The not-learning hints, on step records written by hand."""
+
+from __future__ import annotations
+
+from boltstream.learner import hints
+
+
+def step(n: int, alike: float = 0.0, entropy: float = 1.0, clip: float = 0.0) -> dict:
+    return {"step": n, "groups_without_spread": alike, "entropy": entropy, "clip_fraction": clip}
+
+
+def test_groups_that_score_alike_for_three_steps_ask_for_more_spread() -> None:
+    steps = [step(1, 0.25), step(2, 0.5), step(3, 0.75), step(4, 1.0)]
+    hint = hints.stuck_hint(steps)
+    assert hint is not None and hint.startswith("75% of the groups in the last 3 steps scored alike")  # (.5+.75+1)/3
+    assert "--group-size" in hint and "temperature" in hint
+    assert hints.stuck_hint(steps[:3]) is None  # 0.25 at step 1: not three steps in a row yet
+    assert hints.stuck_hint([step(1, 1.0), step(2, 1.0)]) is None  # fewer than three steps
+
+
+def test_a_run_whose_rewards_spread_gets_no_hint() -> None:
+    assert hints.stuck_hint([step(n, alike=0.25, entropy=0.8, clip=0.02) for n in range(1, 9)]) is None
+    assert hints.stuck_hint([]) is None
+
+
+def test_entropy_collapse_and_large_updates_are_named() -> None:
+    collapsed = hints.stuck_hint([step(1), step(2, entropy=0.01)])
+    assert collapsed is not None and "entropy collapsed to 0.010" in collapsed and "--lr" in collapsed
+    clipped = hints.stuck_hint([step(1), step(2, clip=0.35)])
+    assert clipped is not None and clipped.startswith("35% of the tokens were clipped at step 2")
+    assert hints.stuck_hint([step(1, clip=0.2)]) is None  # the ceiling itself is fine
