@@ -8,7 +8,8 @@ demo's learner, stream app and agents share the inference worker's two cores), t
 thread and the descheduled one wait on each other at every barrier. ``boltstream`` sets
 ``OMP_WAIT_POLICY=PASSIVE`` (boltstream/cli.py) so waiting threads sleep instead. This measures
 a SmolLM2 batched prefill (8 x 200 tokens) and 20 decode steps of the same batch in a fresh
-process for each policy (the runtime reads the variable once, at load), alternating, with
+process for each policy (the runtime reads the variables once, at load; SPIN is PASSIVE with a
+bounded spin before sleeping, ``GOMP_SPINCOUNT``), alternating, with
 ``--busy`` CPU-bound competitor processes running and with none. Prints the times and the ratio
 active / passive per condition; writes benchmarks/results/threads.json.
 """
@@ -27,7 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("ACTIVE", "PASSIVE")
+# name -> the OpenMP settings of the child (libgomp: GOMP_SPINCOUNT bounds how long a waiting thread spins
+# before it sleeps; PASSIVE alone sleeps at once)
+SPINCOUNT = "100000"
+POLICIES = {"ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "SPIN": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPINCOUNT}}
 
 CHILD = """
 import json, sys, time, torch
@@ -50,7 +55,8 @@ BUSY = "while True: pass"
 
 
 def run_child(model: str, policy: str) -> dict[str, float]:
-    env = {**os.environ, "OMP_WAIT_POLICY": policy, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(POLICIES[policy], PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", CHILD, model], env=env, capture_output=True, text=True,
                          timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -62,7 +68,7 @@ def measure(model: str, rounds: int, busy: int) -> dict[str, dict[str, float]]:
     try:
         rows: dict[str, list[dict[str, float]]] = {p: [] for p in POLICIES}
         for r in range(rounds):
-            for policy in POLICIES if r % 2 == 0 else reversed(POLICIES):
+            for policy in list(POLICIES) if r % 2 == 0 else reversed(list(POLICIES)):
                 rows[policy].append(run_child(model, policy))
                 print(f"busy {busy} round {r + 1} {policy:<7} {rows[policy][-1]}", flush=True)
     finally:
@@ -85,10 +91,9 @@ def main() -> int:
         medians = measure(args.model, args.rounds, busy)
         ratios = {k: medians["ACTIVE"][k] / medians["PASSIVE"][k] for k in medians["ACTIVE"]}
         result[f"busy_{busy}"] = {"medians": medians, "active_over_passive": ratios}
-        print(f"{busy} competitor(s): prefill active {medians['ACTIVE']['prefill_s']:.2f} s, passive "
-              f"{medians['PASSIVE']['prefill_s']:.2f} s ({ratios['prefill_s']:.2f}x); decode active "
-              f"{medians['ACTIVE']['decode_step_ms']:.0f} ms/step, passive {medians['PASSIVE']['decode_step_ms']:.0f} "
-              f"ms/step ({ratios['decode_step_ms']:.2f}x)", flush=True)
+        print(f"{busy} competitor(s): " + "; ".join(
+            f"{name} prefill {m['prefill_s']:.2f} s, decode {m['decode_step_ms']:.0f} ms/step"
+            for name, m in medians.items()) + f" (active / passive decode {ratios['decode_step_ms']:.2f}x)", flush=True)
     result["seconds"] = round(time.time() - started, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "threads.json").write_text(json.dumps(result, indent=2))
