@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from machine import write_report
 
 from boltstream.examples.calc.agent import CALC_RE, EXAMPLE, SYSTEM, calculator
 from boltstream.examples.calc.tasks import train_test
@@ -131,11 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               if m in best and "joined" in best]
     print(f"best of {args.rounds}: " + ", ".join(f"{n} {best[n]:.2f} s" for n in modes) + "; " + "; ".join(ratios)
           + f"; tokens generated per run: {sorted(tokens)} (seeded: the same up to rounding that flips a sample)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"benchmark": "agent_step", "machine": facts, "dtype": dtype,
-                                         "tasks": args.tasks, "group": args.group, "runs": runs, "best_s": best,
-                                         "same_tokens": len(tokens) == 1}, indent=1))
-    print(f"-> {args.out}")
+    write_report(args.out, {"benchmark": "agent_step", "machine": facts, "dtype": dtype, "tasks": args.tasks,
+                            "group": args.group, "runs": runs, "best_s": best, "same_tokens": len(tokens) == 1})
     return 0
 
 

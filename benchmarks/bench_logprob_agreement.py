@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from machine import write_report
 
 from boltstream.examples.calc.agent import EXAMPLE, SYSTEM
 from boltstream.examples.calc.tasks import train_test
@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         report["dtypes"][dtype] = row
         print(f"served in {dtype}: {row['tokens']} sampled tokens, mean |Δ log p| {row['mean_abs_diff']:.2e}, "
               f"max {row['max_abs_diff']:.2e}, outside the clip range {clipped:.2%}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"-> {args.out}")
+    write_report(args.out, report)
     return 0
 
 

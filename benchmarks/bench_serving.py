@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine import bounds, cpu_facts, describe_cpu
+from machine import bounds, cpu_facts, describe_cpu, write_report
 
 from boltstream.inference.launch import WorkerProcess
 from boltstream.stack import embedded_stack, settings_env
@@ -262,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{backend}: {results['concurrent']['tokens_per_s']:.1f} tok/s with {args.clients} concurrent clients, "
               f"{results['sequential']['tokens_per_s']:.1f} one at a time ({results['speedup']:.2f}x)")
     report.update(clients=args.clients, max_tokens=args.max_tokens, capture=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"-> {args.out}")
+    write_report(args.out, report)
     return 0
 
 

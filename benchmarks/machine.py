@@ -14,12 +14,14 @@ in the same run (these machines are shared and their speed drifts):
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from boltstream.weights.models import cpu_facts, describe_cpu
 
-__all__ = ["bounds", "cpu_facts", "describe_cpu"]
+__all__ = ["bounds", "cpu_facts", "describe_cpu", "write_report"]
 
 
 def _best(fn: Any, repeats: int) -> float:
@@ -49,3 +51,10 @@ def bounds(size_mib: int = 512, matmul: int = 2048, repeats: int = 5, dtype: str
     nbytes = n * 4
     return {"copy_gb_s": nbytes / copy / 1e9, "read_gb_s": nbytes / read / 1e9,
             "matmul_gflop_s": 2 * matmul**3 / mm / 1e9}
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    """The benchmark's JSON at ``path`` (its folder made), and where it went."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1))
+    print(f"-> {path}")
