@@ -2,7 +2,8 @@
 
 Why: a run that learns nothing looks like a run that learns slowly until someone
 reads the metrics. The usual causes show in them: every attempt of a group scores
-alike (the advantages are 0, there is nothing to learn from), the policy's entropy
+alike (the advantages are 0, there is nothing to learn from; unless those groups scored
+the best the run has seen: solved), the policy's entropy
 collapsed (it samples one answer), or the updates are so large that most tokens are
 clipped. :func:`stuck_hint` turns the latest records into one line that says which
 and what to try; ``boltstream train``/``demo`` print it when it first appears.
@@ -26,7 +27,8 @@ def stuck_hint(steps: Sequence[Mapping[str, Any]]) -> str | None:
     last = steps[-1]
     recent = steps[-NO_SPREAD_STEPS:]
     shares = [r.get("groups_without_spread") for r in recent]
-    if len(recent) == NO_SPREAD_STEPS and all(v is not None and v >= NO_SPREAD_SHARE for v in shares):
+    if (len(recent) == NO_SPREAD_STEPS and all(v is not None and v >= NO_SPREAD_SHARE for v in shares)
+            and not _solved(steps)):
         share = sum(shares) / len(shares)
         return (f"{share:.0%} of the groups in the last {NO_SPREAD_STEPS} steps scored alike, so their advantages "
                 "are 0: raise the agent's sampling temperature (the demo's --temperature) or the group size "
@@ -40,3 +42,12 @@ def stuck_hint(steps: Sequence[Mapping[str, Any]]) -> str | None:
         return (f"{clip:.0%} of the tokens were clipped at step {last['step']}: the updates are too large; lower "
                 "the learning rate (--lr) or train on more groups a step (--groups-per-step)")
     return None
+
+
+def _solved(steps: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the last step's alike groups sit at the best group reward of a run that has seen others
+    (they were solved: nothing is wrong). A run whose groups never differed is not solved, only silent."""
+    best = [r["group_reward_max"] for r in steps if r.get("group_reward_max") is not None]
+    worst = [r["group_reward_min"] for r in steps if r.get("group_reward_min") is not None]
+    alike = steps[-1].get("alike_reward_mean")
+    return bool(best and worst and alike is not None and max(best) > min(worst) + 1e-9 and alike >= max(best) - 1e-9)

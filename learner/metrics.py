@@ -59,6 +59,7 @@ def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall
                 dropped_total: Mapping[str, int], lag: int | None = None, lr: float | None = None) -> dict[str, Any]:
     """The JSONL/console/Prometheus view of one step (plain JSON types only)."""
     advantages = [float(s["advantage"]) for s in inp.samples]
+    alike = [g.reward_mean for g in inp.groups if g.reward_std <= NO_SPREAD]  # their rewards: no signal
     rewards = [float(s.get("reward", 0.0)) for s in inp.samples]
     record: dict[str, Any] = {
         "event": "step",
@@ -71,8 +72,11 @@ def step_record(step: int, version: int, m: StepMetrics, inp: StepInput, *, wall
         "advantage_min": min(advantages, default=0.0),
         "advantage_max": max(advantages, default=0.0),
         "groups": len(inp.groups),
-        "groups_without_spread": sum(g.reward_std <= NO_SPREAD for g in inp.groups) / max(1, len(inp.groups)),
+        "groups_without_spread": len(alike) / max(1, len(inp.groups)),
         "reward_spread_mean": sum(g.reward_std for g in inp.groups) / max(1, len(inp.groups)),
+        "alike_reward_mean": sum(alike) / len(alike) if alike else None,
+        "group_reward_min": min((g.reward_mean for g in inp.groups), default=None),
+        "group_reward_max": max((g.reward_mean for g in inp.groups), default=None),
         "wall_seconds": wall_seconds,
         "wall_tokens_per_s": m.input_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "staleness": dict(sorted(inp.staleness.items())),

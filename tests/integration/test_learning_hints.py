@@ -59,6 +59,7 @@ def test_a_run_whose_groups_score_alike_is_told_why_and_one_that_spreads_is_not(
     if agent == "alike":
         assert [r["groups_without_spread"] for r in rows] == [1.0] * 3
         assert [r["reward_spread_mean"] for r in rows] == [0.0] * 3
+        assert [(r["alike_reward_mean"], r["group_reward_min"], r["group_reward_max"]) for r in rows] == [(1, 1, 1)] * 3
         (hint,) = summary["hints"]
         assert hint.startswith("100% of the groups in the last 3 steps scored alike") and summary["hints"][hint] == 3
         assert f"not learning? {hint}" in said, said[-3000:]
@@ -66,4 +67,6 @@ def test_a_run_whose_groups_score_alike_is_told_why_and_one_that_spreads_is_not(
         assert [r["groups_without_spread"] for r in rows] == [0.0] * 3
         # rewards 0 and 1: the sample standard deviation (n - 1), as the stream app's baseline uses
         assert all(r["reward_spread_mean"] == pytest.approx(0.5 ** 0.5) for r in rows), rows
+        assert [(r["alike_reward_mean"], r["group_reward_min"], r["group_reward_max"]) for r in rows] == \
+            [(None, 0.5, 0.5)] * 3
         assert summary["hints"] == {} and "not learning?" not in said

@@ -18,6 +18,21 @@ def test_groups_that_score_alike_for_three_steps_ask_for_more_spread() -> None:
     assert hints.stuck_hint([step(1, 1.0), step(2, 1.0)]) is None  # fewer than three steps
 
 
+def test_groups_alike_because_they_are_solved_get_no_hint() -> None:
+    def solved(n: int, alike_reward: float) -> dict:
+        return {**step(n, 0.75), "alike_reward_mean": alike_reward, "group_reward_min": 0.0, "group_reward_max": 1.1}
+
+    # the run has seen groups from 0 to 1.1; the alike ones score 1.1: solved, nothing to change
+    assert hints.stuck_hint([solved(1, 1.1), solved(2, 1.1), solved(3, 1.1)]) is None
+    # alike ones that average below the best (some failed alike): still no signal from them
+    stuck = hints.stuck_hint([solved(1, 0.4), solved(2, 0.4), solved(3, 0.4)])
+    assert stuck is not None and stuck.startswith("75% of the groups")
+    # a run whose groups never differed (every attempt 1.0, always) is silent, not solved
+    same = [{**step(n, 1.0), "alike_reward_mean": 1.0, "group_reward_min": 1.0, "group_reward_max": 1.0}
+            for n in (1, 2, 3)]
+    assert hints.stuck_hint(same) is not None
+
+
 def test_a_run_whose_rewards_spread_gets_no_hint() -> None:
     assert hints.stuck_hint([step(n, alike=0.25, entropy=0.8, clip=0.02) for n in range(1, 9)]) is None
     assert hints.stuck_hint([]) is None
