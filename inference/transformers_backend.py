@@ -37,6 +37,7 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -263,12 +264,16 @@ class TransformersBackend(WeightSwapping):
         with torch.inference_mode(), ctx:
             self._decode(policy, batch, key)
 
+    def _serving(self, policy: Policy, key: str | None) -> Callable[[], bool]:
+        """Whether ``policy`` is still the one served for ``key`` (the prefix cache only keeps its KV while so)."""
+        return lambda: self._policies[key] is policy
+
     def _prefill(self, policy: Policy, rows: list[decoding.Row], key: str | None) -> decoding.DecodeState:
         """The rows' prefill, through the prefix cache when it is on and the model's caches allow it."""
         cache = self.prefix_cache
         if cache.enabled and self._kv_reusable:
             return prefix_cache.prefill(policy.model, rows, self.device, cache, key,
-                                        lambda: self._policies[key] is policy)
+                                        self._serving(policy, key))
         state = decoding.prefill(policy.model, rows, self.pad_id, self.device)
         cache.count(sum(len(r.request.prompt_ids) for r in rows), 0)
         return state
@@ -279,7 +284,7 @@ class TransformersBackend(WeightSwapping):
         row = state.rows[j]
         if self.prefix_cache.enabled and self._kv_reusable and row.finish != FINISH_ABORT and len(row.ids) > 1:
             self.prefix_cache.insert_row(key, row.request.prompt_ids + row.ids[:-1], decoding.cache_layers(state.cache),
-                                         j, lambda: self._policies[key] is policy)
+                                         j, self._serving(policy, key))
 
     def _decode(self, policy: Policy, batch: list[_Request], key: str | None) -> None:
         model = policy.model
@@ -329,10 +334,7 @@ class TransformersBackend(WeightSwapping):
         if not (cache.enabled and self._kv_reusable and isinstance(state.cache, KVBuffer)):
             decoding.advance(policy.model, state)
             return decoding.join(state, self._prefill(policy, new_rows, key))
-
-        def valid() -> bool:
-            return self._policies[key] is policy
-
+        valid = self._serving(policy, key)
         blocks = prefix_cache.plan(new_rows, cache, key, valid)
         if len(blocks) == 1:
             layers, logits = decoding.advance_and_prefill(policy.model, state, blocks[0])

@@ -267,15 +267,13 @@ def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str,
                            worker_port=port, group_size=group_size)
         for name, steps in rows.items():
             hint = hints.stuck_hint(steps)
-            if hint is not None and hint not in said:
-                said[hint] = steps[-1]["step"]
+            if hint is not None and hint not in hint_steps:
+                hint_steps[hint] = steps[-1]["step"]
                 text = f"{name}: {hint}" if len(rows) > 1 else hint
                 log.warning("not learning? %s", text)
                 if display is not None:
                     display.hint(text)
         return all(r and r[-1]["step"] >= cfg.steps for r in rows.values())
-
-    said = hint_steps
 
     with contextlib.suppress(Exception):
         wait_until(learner_done, max(0.0, deadline - time.monotonic()), "the learner", procs)
