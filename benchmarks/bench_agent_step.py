@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from machine import write_report
+from machine import as_command, write_report
 
 from boltstream.examples.calc.agent import CALC_RE, EXAMPLE, SYSTEM, calculator
 from boltstream.examples.calc.tasks import train_test
@@ -103,6 +103,7 @@ async def step(model: Any, tokenizer: Any, questions: list[str], group: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command("serve")  # the engine below runs with the worker's thread settings
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--serve-dtype", default="auto")

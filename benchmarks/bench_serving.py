@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine import bounds, cpu_facts, describe_cpu, write_report
+from machine import as_command, bounds, cpu_facts, describe_cpu, write_report
 
 from boltstream.inference.launch import WorkerProcess
 from boltstream.stack import embedded_stack, settings_env
@@ -229,6 +229,7 @@ def serving_args(description: str, out: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command("serve")  # the engine below runs with the worker's thread settings
     p = serving_args(__doc__.split("\n\n")[0], "serving.json")
     p.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32])
     p.add_argument("--prompt-tokens", type=int, default=256)

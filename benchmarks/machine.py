@@ -15,13 +15,26 @@ in the same run (these machines are shared and their speed drifts):
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from boltstream.cli import omp_env
 from boltstream.weights.models import cpu_facts, describe_cpu
 
-__all__ = ["bounds", "cpu_facts", "describe_cpu", "write_report"]
+__all__ = ["as_command", "bounds", "cpu_facts", "describe_cpu", "write_report"]
+
+
+def as_command(command: str) -> None:
+    """Give this process the OpenMP settings of ``boltstream <command>`` (the worker spins, the rest sleep),
+    so an engine measured in-process runs as it does when served. Before torch loads: the OpenMP runtime
+    reads them once."""
+    if "torch" in sys.modules:
+        raise RuntimeError("as_command() must run before torch is imported")
+    for var, value in omp_env(command).items():
+        os.environ.setdefault(var, value)
 
 
 def _best(fn: Any, repeats: int) -> float:

@@ -55,6 +55,8 @@ class ServeConfig:
     max_batch_size: int = opt(32, "most sequences decoded together")
     batch_window_ms: float = opt(2.0, "how long to collect concurrent requests into a batch")
     max_context: int | None = opt(None, "context limit in tokens (default: the model's)")
+    threads: int = opt(0, "transformers backend on CPU: torch threads of the generation thread (0: every CPU this "
+                          "process may use, fewer while other processes keep some busy)")
     merge_lora: bool = opt(True, "transformers backend: serve the policy's LoRA checkpoints merged into a copy of "
                                  "the base weights (faster decoding; one more copy of the weights; several "
                                  "--adapters are always served unmerged)")
@@ -96,6 +98,8 @@ class ServeConfig:
             raise ConfigError("port", self.port, "must be 0-65535 (0: any free port)")
         if self.max_batch_size < 1:
             raise ConfigError("max_batch_size", self.max_batch_size, "must be >= 1")
+        if self.threads < 0:
+            raise ConfigError("threads", self.threads, "must be >= 0 (0: as many as the idle CPUs)")
         if self.prefix_cache_mib < 0:
             raise ConfigError("prefix_cache_mib", self.prefix_cache_mib, "must be >= 0 (0: no prefix cache)")
         if self.default_max_tokens < 1:
@@ -153,17 +157,19 @@ def build_backend(cfg: ServeConfig) -> Any:
     import transformers
 
     from boltstream.inference.transformers_backend import TransformersBackend
-    from boltstream.weights.models import load_model, resolve_dtype
+    from boltstream.weights.models import cpu_facts, describe_cpu, load_model, resolve_dtype
 
     transformers.utils.logging.disable_progress_bar()
     dtype = resolve_dtype(cfg.dtype, cfg.device)
     if cfg.dtype == "auto":
         log.info("--dtype auto: serving in %s", dtype or "the checkpoint's dtype")
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, seed=cfg.seed)
+    log.info("serving in %s on %s", next(model.parameters()).dtype, describe_cpu(cpu_facts()))
     return TransformersBackend(model, tokenizer, model_name=cfg.name, policy_version=cfg.policy_version,
                                max_batch_size=cfg.max_batch_size, batch_window_ms=cfg.batch_window_ms,
                                max_context=cfg.max_context, adapters=tuple(a.name for a in cfg.adapter_specs),
-                               prefix_cache_bytes=cfg.prefix_cache_mib << 20, merge_lora=cfg.merge_lora)
+                               prefix_cache_bytes=cfg.prefix_cache_mib << 20, merge_lora=cfg.merge_lora,
+                               threads=cfg.threads)
 
 
 def build_app(cfg: ServeConfig, workdir: Path) -> Any:

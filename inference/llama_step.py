@@ -130,6 +130,11 @@ class LlamaStep:
                                    la.self_attn.v_proj.weight]).contiguous() for la in self.layers]
             self.gate_up = [torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous()
                             for la in self.layers]
+        # transposed views (no copy) for addmm; norms' epsilons as the modules keep them
+        self.o_t = [la.self_attn.o_proj.weight.t() for la in self.layers]
+        self.down_t = [la.mlp.down_proj.weight.t() for la in self.layers]
+        self.eps = [(_eps(la.input_layernorm), _eps(la.post_attention_layernorm)) for la in self.layers]
+        self.norm_shape = (int(cfg.hidden_size),)
 
     def __call__(self, ids: Any, positions: Any, mask: Any, kv: KVBuffer, block: Any = None) -> Any:
         """Logits (float32, ``[batch, vocab]``) after feeding ``ids`` (``[batch]``) at ``positions``
@@ -188,21 +193,33 @@ class LlamaStep:
 
     def _layers(self, x: Any, cos: Any, sin: Any, attend: Any) -> Any:
         """The decoder layers over token rows ``x`` (``[N, H]``); ``attend(layer, q, k, v)`` (``[N, heads,
-        head_dim]``, rotated) returns the attention output ``[N, heads * head_dim]``."""
+        head_dim]``, rotated) returns the attention output ``[N, heads * head_dim]``.
+
+        A decode step is a few hundred small operations, each paying torch's dispatch: the norms are one
+        ``rms_norm`` call each, the rotation turns q and k together (they sit side by side in the fused
+        product), and each residual add rides in its product (``addmm``)."""
+        import torch
         import torch.nn.functional as F
 
+        q_out, kv_out, _ = self.splits
+        heads_qk = self.heads + self.kv_heads
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = F.linear(h, self.qkv[i]).split(self.splits, dim=-1)
-            q = q.view(-1, self.heads, self.head_dim)
-            k = k.view(-1, self.kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            x = x + layer.self_attn.o_proj(attend(i, q, k, v.view(-1, self.kv_heads, self.head_dim)))
-            h = layer.post_attention_layernorm(x)
+            h = F.rms_norm(x, self.norm_shape, layer.input_layernorm.weight, self.eps[i][0])
+            qkv = F.linear(h, self.qkv[i])
+            qk = qkv[:, :q_out + kv_out].view(-1, heads_qk, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            v = qkv[:, q_out + kv_out:].view(-1, self.kv_heads, self.head_dim)
+            x = torch.addmm(x, attend(i, q, k, v), self.o_t[i])
+            h = F.rms_norm(x, self.norm_shape, layer.post_attention_layernorm.weight, self.eps[i][1])
             gate, up = F.linear(h, self.gate_up[i]).split(self.intermediate, dim=-1)
-            x = x + layer.mlp.down_proj(self.act(gate) * up)
+            x = torch.addmm(x, self.act(gate) * up, self.down_t[i])
         return x
+
+
+def _eps(norm: Any) -> float:
+    """An RMS norm module's epsilon (``variance_epsilon`` in Llama's, ``eps`` in torch's)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def _block_mask(mask: Any, width: int) -> Any:

@@ -81,7 +81,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self.stats()
         yield CounterMetricFamily("boltstream_inference_busy_seconds",
                                   "seconds the generation thread spent running batches", value=s["busy_seconds"])
@@ -89,6 +89,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("boltstream_inference_decode_rows",
                                   "rows decoded, summed over decode steps (/ steps: the mean decode batch)",
                                   value=s["decode_rows"])
+        if "threads" in s:
+            yield GaugeMetricFamily("boltstream_inference_threads",
+                                    "torch threads the generation thread runs with now", value=s["threads"])
 
 
 class _PrefixCacheCollector(Collector):

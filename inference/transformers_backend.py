@@ -53,6 +53,7 @@ from boltstream.inference.backend import (
     TokenCallback,
     cut_at_stop,
 )
+from boltstream.inference.cpu_share import CpuShare
 from boltstream.inference.llama_step import KVBuffer
 from boltstream.inference.weights import Policy, WeightSwapping
 from boltstream.schemas.packed import I32, as_array
@@ -87,6 +88,7 @@ class TransformersBackend(WeightSwapping):
         adapters: tuple[str, ...] = (),
         prefix_cache_bytes: int = 0,
         merge_lora: bool = False,
+        threads: int = 0,
     ) -> None:
         self.model_name = model_name
         self.adapters = tuple(adapters)
@@ -124,11 +126,15 @@ class TransformersBackend(WeightSwapping):
         # KV of prompt prefixes, per policy key (inference/prefix_cache.py); 0 bytes: off
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self._kv_reusable = kv_cache.reusable(model.config)  # not sliding-window or static caches
+        import torch
+
+        # torch threads of the generation thread (inference/cpu_share.py); threads > 0 pins them
+        self._cpu_share = CpuShare(torch.get_num_threads(), threads)
 
     def engine_stats(self) -> dict[str, float]:
         """Counters of the generation thread, read at each metrics scrape."""
         return {"busy_seconds": self.busy_seconds, "decode_steps": self.decode_steps,
-                "decode_rows": self.decode_rows}
+                "decode_rows": self.decode_rows, "threads": self._cpu_share.current}
 
     @property
     def policy_version(self) -> int:
@@ -292,9 +298,12 @@ class TransformersBackend(WeightSwapping):
         rows_of: dict[int, list[decoding.Row]] = {}
         for r in rows:
             rows_of.setdefault(id(r.request), []).append(r)
+        self._cpu_share.begin()
+        self._set_threads()
         state = self._prefill(policy, rows, key)
         joinable = decoding.can_join(state)
         while True:
+            self._set_threads()
             tokens, logprobs = decoding.sample(state)
             keep: list[int] = []
             for j, (row, tok, lp) in enumerate(zip(state.rows, tokens, logprobs, strict=True)):
@@ -325,6 +334,13 @@ class TransformersBackend(WeightSwapping):
             for r in new_rows:
                 rows_of.setdefault(id(r.request), []).append(r)
             state = self._advance_joining(policy, state, new_rows, key)
+
+    def _set_threads(self) -> None:
+        import torch
+
+        n = self._cpu_share.threads()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def _advance_joining(self, policy: Policy, state: decoding.DecodeState, new_rows: list[decoding.Row],
                          key: str | None) -> decoding.DecodeState:

@@ -319,7 +319,8 @@ def cpu_facts(with_torch: bool = True) -> dict[str, Any]:
         import torch
 
         facts.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"))
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+                     gomp_spincount=os.environ.get("GOMP_SPINCOUNT", "(unset)"))
     return facts
 
 
@@ -329,7 +330,7 @@ def describe_cpu(facts: dict[str, Any]) -> str:
             f"(flags: {' '.join(facts['flags']) or 'none of avx2/avx512/amx'})")
     if "torch" in facts:
         text += (f", torch {facts['torch']} {facts['torch_threads']} threads, "
-                 f"OMP_WAIT_POLICY={facts['omp_wait_policy']}")
+                 f"OMP_WAIT_POLICY={facts['omp_wait_policy']} GOMP_SPINCOUNT={facts['gomp_spincount']}")
     return text
 
 

@@ -138,3 +138,25 @@ def test_sigterm_removes_the_downloaded_checkpoints(settings_env: dict[str, str]
     finally:
         worker.stop(timeout=20)
     assert list(scratch.glob("boltstream-serve-*")) == []
+
+
+def test_the_worker_spins_its_threads_and_reports_how_many_it_runs(settings_env: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """``boltstream serve`` sets GOMP_SPINCOUNT before torch loads (its log line says so) and exports the
+    generation thread's thread count; ``--threads`` pins it."""
+    from boltstream.inference.launch import WorkerProcess
+
+    env = {k: v for k, v in settings_env.items() if k != "GOMP_SPINCOUNT"}
+    log_path = tmp_path / "worker.log"
+    worker = WorkerProcess(["--model", "tiny", "--port", "0", "--no-capture", "--threads", "1"], env=env,
+                           log_path=log_path)
+    try:
+        worker.start(120)
+        with httpx.Client(base_url=worker.url, timeout=60) as http:
+            _ask(http)
+            metrics = http.get("/metrics").text
+    finally:
+        worker.stop(timeout=20)
+    assert "boltstream_inference_threads 1.0" in metrics
+    served = [line for line in log_path.read_text().splitlines() if "serving in" in line]
+    assert served and "GOMP_SPINCOUNT=30000" in served[0] and "OMP_WAIT_POLICY=PASSIVE" in served[0], served
