@@ -10,7 +10,7 @@ token of every sample; the tree step (``StepConfig.prefix_tree``) computes each 
 per micro-batch, and a prefix that every sample starts with (the system prompt) once per step
 (``StepConfig.shared_prefix_min_tokens``). Both steps here run in the same process, one after the
 other, on the same samples and trainer (the demo's learner: ``learner_config()`` of the pipeline) after one untimed
-warm-up step, each with its own peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_step.py).
+warm-up step, each with its own peak RSS (VmHWM reset in between). The updates are the same (tests/unit/learner/test_tree_forward.py).
 
 Shapes:
 
@@ -134,7 +134,7 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
               dense_mask: bool = False) -> dict[str, Any]:
     """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], [tree step on the
     dense mask], flat step on the first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
-    from boltstream.learner.prefix_tree import shared_prefix_length
+    from boltstream.learner.token_trie import shared_prefix_length
 
     base = trainer.step_cfg
     tree_cfg = dataclasses.replace(base, prefix_tree=True, max_tokens_per_micro_batch=tree_budget or budget)
@@ -215,7 +215,7 @@ def main() -> int:
 
     from boltstream.learner.memory import pin_mmap_threshold
     from boltstream.learner.model_setup import vocab_size
-    from boltstream.learner.prefix_tree import shared_prefix_length
+    from boltstream.learner.token_trie import shared_prefix_length
     from boltstream.learner.trainer import make_trainer
 
     cfg = demo_learner_config(args.model, pinned=True)

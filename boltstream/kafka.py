@@ -29,7 +29,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -235,22 +235,40 @@ async def log_end_offsets(
     await consumer.start()
     try:
         reported = await consumer.end_offsets(tps)
-        result = {tp: end for tp, end in reported.items()}
-        pending = {tp for tp, end in reported.items() if end > 0}
-        if not pending:
-            return result
-        consumer.assign(list(pending))
-        for tp in pending:
-            consumer.seek(tp, reported[tp] - 1)
-        deadline = time.monotonic() + timeout
-        while pending:
-            if time.monotonic() > deadline:
-                raise BrokerUnavailableError(f"could not read the last batch of {sorted(map(str, pending))}")
-            batches = await consumer.getmany(*pending, timeout_ms=500)
-            for tp, records in batches.items():
-                if records:
-                    result[tp] = max(result[tp], records[-1].offset + 1)
-                    pending.discard(tp)
+        result = dict(reported)
+
+        def last_batch(tp: TopicPartition, records: list[Any]) -> bool:
+            result[tp] = max(result[tp], records[-1].offset + 1)
+            return True
+
+        try:
+            await read_tails(consumer, {tp: end - 1 for tp, end in reported.items() if end > 0}, last_batch,
+                             timeout)
+        except TimeoutError as exc:
+            raise BrokerUnavailableError(f"could not read the last batch: {exc}") from exc
         return result
     finally:
         await consumer.stop()
+
+
+async def read_tails(consumer: AIOKafkaConsumer, starts: Mapping[TopicPartition, int],
+                     take: Callable[[TopicPartition, list[Any]], bool], timeout: float) -> None:
+    """Read each partition of ``starts`` from its offset, handing every fetched batch to ``take(tp,
+    records)`` until it returns True for that partition; TimeoutError after ``timeout`` seconds.
+
+    Why: on Tansu a partition's reported end is its last batch's base offset + 1, so whoever needs
+    the true tail (the end offsets above, a changelog's last records) reads it."""
+    pending = set(starts)
+    if not pending:
+        return
+    consumer.assign(list(pending))
+    for tp in pending:
+        consumer.seek(tp, starts[tp])
+    deadline = time.monotonic() + timeout
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"did not reach the end of {sorted(map(str, pending))}")
+        batches = await consumer.getmany(*pending, timeout_ms=500)
+        for tp, records in batches.items():
+            if records and take(tp, records):
+                pending.discard(tp)

@@ -6,7 +6,7 @@ the question, and an agent's second call starts with its whole first call
 (prompt, response, tool result). Prefilling only what is new saves most of the
 prefill compute.
 
-How: a :class:`~boltstream.inference.prefix_tree.PrefixTree` maps token ids to
+How: a :class:`~boltstream.inference.radix_tree.PrefixTree` maps token ids to
 per-layer key/value tensors (``[kv_heads, tokens, head_dim]`` per layer, K and V,
 cloned so they never pin a batch's cache). :func:`prefill` looks up each distinct
 prompt of a batch: the longest stored prefix (never the last prompt token, whose
@@ -36,7 +36,7 @@ from typing import Any
 
 from boltstream.inference import kv_cache
 from boltstream.inference.decoding import DecodeState, Row, decode_cache
-from boltstream.inference.prefix_tree import PrefixTree
+from boltstream.inference.radix_tree import PrefixTree
 
 Payload = tuple[Any, ...]  # K0, V0, K1, V1, ...: each [kv_heads, tokens, head_dim]
 

@@ -1,6 +1,6 @@
 """Tree attention by chains: a trie's micro-batch without the masked pairs of a dense tree mask.
 
-Why: in a trie flattened in depth-first pre-order (:mod:`.prefix_tree`), most nodes continue their
+Why: in a trie flattened in depth-first pre-order (:mod:`.token_trie`), most nodes continue their
 parent, the node just before them. A maximal run of such nodes is a *chain* (an agent's rollout
 after the shared prompt is one chain: every call extends the previous one). A chain's nodes see
 the same keys (the shared prefix, the chain's ancestors) plus the chain itself causally, so each
@@ -25,9 +25,15 @@ import torch
 
 from . import flash_cpu
 from .config import StepConfig
-from .prefix_tree import build_tree
-from .tree_step import CHAINS as NAME
-from .tree_step import attention_implementation, causal_model, probe_against_plain, probe_tokens, tree_inputs
+from .token_trie import build_tree
+from .tree_forward import CHAINS as NAME
+from .tree_forward import (
+    attention_implementation,
+    causal_model,
+    probe_against_plain,
+    probe_tokens,
+    tree_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +162,7 @@ def probe(model: torch.nn.Module) -> str | None:
 def resolve_chain_attention(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
     """``cfg`` as ``model`` can run it: chains off (logged
     once, with the reason, and the model's attention back to sdpa) when :func:`probe` finds a problem.
-    Called once when a trainer is built, after :func:`.tree_step.resolve_prefix_tree`."""
+    Called once when a trainer is built, after :func:`.tree_forward.resolve_prefix_tree`."""
     if not cfg.prefix_tree or not cfg.chain_attention_min_tokens:
         return cfg
     problem = probe(model)

@@ -50,7 +50,7 @@ from .model_setup import (
 )
 from .model_setup import save_weights as save_hf_weights
 from .step import StepMetrics, accumulate_gradients, plan_micro_batches, runs_tree, set_lr
-from .tree_step import resolve_prefix_tree
+from .tree_forward import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)
 

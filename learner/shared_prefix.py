@@ -1,9 +1,9 @@
 """A prompt prefix that every sample of a step shares, computed once per step, with its gradient.
 
 Why: an agent's calls all start with the same system prompt (often thousands of tokens). A trie
-computes it once per micro-batch (:mod:`.prefix_tree`), but a step whose trie is split over
+computes it once per micro-batch (:mod:`.token_trie`), but a step whose trie is split over
 several micro-batches would compute it again in each. Here the prefix ``P``
-(:func:`.prefix_tree.shared_prefix_length`: common to all samples, ending before any sample's
+(:func:`.token_trie.shared_prefix_length`: common to all samples, ending before any sample's
 first loss token) runs once per step:
 
 1. ``P``'s forward runs through the decoder without gradient, in chunks of at most the
@@ -43,8 +43,8 @@ import torch
 from boltstream.inference import kv_cache
 
 from .config import StepConfig
-from .prefix_tree import build_tree
-from .tree_step import causal_model, probe_against_plain, probe_tokens, tree_inputs, tree_problem
+from .token_trie import build_tree
+from .tree_forward import causal_model, probe_against_plain, probe_tokens, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def probe_shared_prefix(model: torch.nn.Module) -> str | None:
 def resolve_shared_prefix(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
     """``cfg`` as ``model`` can run it: ``shared_prefix_min_tokens`` 0 (logged once, with the reason)
     when :func:`probe_shared_prefix` finds a problem. Called once when a trainer is built, after
-    :func:`.tree_step.resolve_prefix_tree`."""
+    :func:`.tree_forward.resolve_prefix_tree`."""
     if not cfg.prefix_tree or not cfg.shared_prefix_min_tokens:
         return cfg
     problem = probe_shared_prefix(model)

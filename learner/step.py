@@ -10,7 +10,7 @@ floats, independent of the step's size. Models whose head is not a plain ``nn.Li
 the model's own forward and gather log-probs from its logits.
 
 Prefix tree (``StepConfig.prefix_tree``): each micro-batch's samples run as one token trie
-(:mod:`.prefix_tree`, :mod:`.tree_step`), so a prefix that samples share (system prompt, the
+(:mod:`.token_trie`, :mod:`.tree_forward`), so a prefix that samples share (system prompt, the
 task's question, a previous call) is computed once; each sample then gathers the hidden states
 of its own nodes and everything after the decoder is the flat path's, on the same tensors.
 Micro-batches are then bounded by unique tokens (trie nodes) and mask size. A prefix that every
@@ -44,9 +44,9 @@ from .losses import (
     row_temperatures,
     token_logprobs,
 )
-from .prefix_tree import PrefixTree, build_tree, pack_by_unique_tokens, shared_prefix_length
 from .shared_prefix import SharedPrefix, prefixed_inputs, shared_prefix_problem
-from .tree_step import label_nodes, tree_inputs, tree_problem
+from .token_trie import PrefixTree, build_tree, pack_by_unique_tokens, shared_prefix_length
+from .tree_forward import label_nodes, tree_inputs, tree_problem
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ _logged_fallbacks: set[str] = set()
 
 def runs_tree(model: torch.nn.Module, cfg: StepConfig) -> bool:
     """Whether steps of ``model`` under ``cfg`` run prefix trees: asked for, and the model's attention
-    takes a 4-D mask (:func:`.tree_step.tree_problem`; the reason it does not is logged once)."""
+    takes a 4-D mask (:func:`.tree_forward.tree_problem`; the reason it does not is logged once)."""
     if not cfg.prefix_tree:
         return False
     problem = tree_problem(model)
@@ -241,7 +241,7 @@ def plan_micro_batches(samples: Sequence[Sample], cfg: StepConfig, tree: bool, p
 def step_prefix_length(model: torch.nn.Module, samples: Sequence[Sample], cfg: StepConfig,
                        custom_backward: bool) -> int:
     """Length of the prefix this step runs once (:mod:`.shared_prefix`), 0 for none: the samples'
-    :func:`.prefix_tree.shared_prefix_length`, when the model can continue from cached keys/values
+    :func:`.token_trie.shared_prefix_length`, when the model can continue from cached keys/values
     and the backward is autograd's own (a custom one, DeepSpeed's, scales and reduces per
     micro-batch: the prefix is then computed in each micro-batch, logged once)."""
     length = shared_prefix_length(samples, cfg.shared_prefix_min_tokens)

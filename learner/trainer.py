@@ -32,7 +32,7 @@ from .model_setup import (
 )
 from .shared_prefix import resolve_shared_prefix
 from .step import StepMetrics, set_lr, train_step
-from .tree_step import resolve_prefix_tree
+from .tree_forward import resolve_prefix_tree
 
 logger = logging.getLogger(__name__)
 

@@ -81,15 +81,17 @@ class ExporterConfig:
     env_prefix: ClassVar[str] = "BOLTSTREAM_EXPORTER_"
     settings: Settings = dataclasses.field(default_factory=Settings)
     defaults: RolloutDefaults = dataclasses.field(default_factory=RolloutDefaults)
-    buffer_size: int = 50_000
-    batch_size: int = 2_000
-    export_timeout_ms: int = 100
-    flush_timeout_ms: int = 10_000
-    request_timeout_ms: int = 15_000
-    retry_backoff_ms: int = 100
-    retry_backoff_max_ms: int = 5_000
-    linger_ms: int = 2
-    install_rollout_processor: bool = True
+    buffer_size: int = opt(50_000, "spans held in memory until the broker acks them; what does not fit is "
+                                   "dropped and counted (a spool keeps them instead)")
+    batch_size: int = opt(2_000, "most spans encoded and produced together by the sender thread")
+    export_timeout_ms: int = opt(100, "longest export() waits for the buffer's lock before dropping (counted)")
+    flush_timeout_ms: int = opt(10_000, "longest force_flush()/shutdown() waits for the broker's acks")
+    request_timeout_ms: int = opt(15_000, "the producer's wait for one broker request")
+    retry_backoff_ms: int = opt(100, "first pause before producing again after a failed batch")
+    retry_backoff_max_ms: int = opt(5_000, "longest pause between retries (the pause doubles up to it)")
+    linger_ms: int = opt(2, "how long the producer waits to fill a batch")
+    install_rollout_processor: bool = opt(True, "stamp rollout/attempt/task ids from the context on every span "
+                                                "and propagate them to the inference worker")
     max_attribute_bytes: int = opt(DEFAULT_MAX_ATTRIBUTE_BYTES, "longest attribute value kept whole, in bytes; "
                                    "longer ones are cut and marked boltstream.truncated (0: no limit)")
     spool_dir: str | None = opt(None, "directory of the on-disk spool that keeps spans through broker outages "

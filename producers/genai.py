@@ -77,7 +77,7 @@ def first(attrs: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
+def raw_span_kind(name: str, attrs: Mapping[str, Any]) -> str | None:
     """The kind :func:`~boltstream.schemas.genai_semantics.span_kind` gives, else what only raw
     attributes show (the normaliser moves them, so the stream app never sees them): an Agent
     Lightning / AgentOps reward is a reward, token ids make an LLM call."""
@@ -242,7 +242,7 @@ def derived_attributes(name: str, attrs: Mapping[str, Any]) -> tuple[dict[str, A
     """
     added: dict[str, Any] = {}
     consumed: list[str] = []
-    kind = span_kind(name, attrs)
+    kind = raw_span_kind(name, attrs)
     if kind and SPAN_KIND not in attrs:
         added[SPAN_KIND] = kind
     if kind == "reward" and REWARD_VALUE not in attrs:

@@ -9,7 +9,7 @@ mapped (see :mod:`boltstream.producers.genai`), ids promoted.
 
 Promoted ids (``rollout_id``, ``attempt_id``, ``task_id``) are looked up in
 this order: span attributes (``boltstream.*``, which is also what
-:class:`~boltstream.producers.context.RolloutSpanProcessor` copies from
+:class:`~boltstream.producers.rollout_processor.RolloutSpanProcessor` copies from
 baggage, then ``agentlightning.*``), resource attributes (a process-per-rollout
 agent can set them with ``OTEL_RESOURCE_ATTRIBUTES``; Agent Lightning puts them
 there), then the caller's defaults (``BOLTSTREAM_ROLLOUT_ID`` etc. for

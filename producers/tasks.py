@@ -29,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from boltstream.config import Settings, load
+from boltstream.config import Settings, flags_from_dataclass, load
 
 log = logging.getLogger(__name__)
 MAX_ID_LEN = 1024
+# Bytes of a Task record besides its payload: the id (at most MAX_ID_LEN), the split, group size and
+# timestamp, Avro and Kafka framing. A payload must leave this much of the broker's message size free.
+TASK_RECORD_OVERHEAD = MAX_ID_LEN + 512
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,7 @@ def parser() -> argparse.ArgumentParser:
     pub.add_argument("--group-size", type=int, default=None, help="attempts per task (default: the runner's)")
     pub.add_argument("--strict", action="store_true", help="publish nothing if any line is bad")
     pub.add_argument("--dry-run", action="store_true", help="validate only")
-    pub.add_argument("--bootstrap-servers", default=None)
-    pub.add_argument("--namespace", default=None)
+    flags_from_dataclass(pub, Settings, only=("bootstrap_servers", "namespace"))
     return p
 
 
@@ -164,7 +166,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("boltstream tasks: --group-size must be >= 1\n")
         return 2
     settings = load(Settings, {"bootstrap_servers": args.bootstrap_servers, "namespace": args.namespace})
-    good, bad = validate(read_rows(args.path), args.id_field, max_bytes=settings.max_message_bytes - 1024)
+    good, bad = validate(read_rows(args.path), args.id_field,
+                         max_bytes=settings.max_message_bytes - TASK_RECORD_OVERHEAD)
     for b in bad:
         sys.stderr.write(f"{args.path}:{b.line}: {b.reason}\n")
     if args.dry_run or (args.strict and bad):

@@ -66,7 +66,7 @@ from .air_matchers import match_span_error as match_span_error
 from .air_matchers import match_timeout as match_timeout
 from .air_matchers import match_tool_args_invalid as match_tool_args_invalid
 from .air_matchers import match_tool_error as match_tool_error
-from .spans import Span, SpanKind, is_rollout_root, reward_of, span_kind
+from .spans import Span, SpanFlags, is_rollout_root, reward_of, span_flags
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +124,9 @@ class AirRule:
 
     def evaluate(self, span: Span) -> float | None:
         """The reward this rule gives ``span``, or None when it does not fire."""
-        return self._evaluate(span, span_kind(span))
+        return self._evaluate(span, span_flags(span))
 
-    def _evaluate(self, span: Span, kind: SpanKind) -> float | None:
+    def _evaluate(self, span: Span, kind: SpanFlags) -> float | None:
         """:meth:`evaluate` with the span's kind already known (classified once per span)."""
         if not self.enabled:
             return None
@@ -249,14 +249,14 @@ def evaluate_air(
     calls: Sequence[CallRef],
     rules: Sequence[AirRule] = DEFAULT_AIR_RULES,
     parent_of: Mapping[str, str | None] | None = None,
-    kinds: Mapping[str, SpanKind] | None = None,
+    kinds: Mapping[str, SpanFlags] | None = None,
 ) -> AirResult:
     """Apply ``rules`` to the spans of one rollout and attach the rewards to ``calls``.
 
     ``calls`` should hold every LLM call of the rollout (trained or not), so a
     reward caused by an untrained call is not moved onto a trained one.
     ``parent_of`` (span id -> parent id) enables the nested-span dedupe.
-    ``kinds`` (span id -> :func:`~boltstream.streams.spans.span_kind`) saves
+    ``kinds`` (span id -> :func:`~boltstream.streams.spans.span_flags`) saves
     classifying the spans again when the caller already did.
     """
     result = AirResult()
@@ -274,7 +274,7 @@ def evaluate_air(
         span_id = str(span.get("span_id"))
         kind = kinds.get(span_id) if kinds is not None else None
         if kind is None:
-            kind = span_kind(span)
+            kind = span_flags(span)
         for rule in active:
             value = rule._evaluate(span, kind)
             if value is None:

@@ -4,7 +4,7 @@ Why a module of their own: :mod:`boltstream.streams.air` decides how a matched
 span becomes a reward on an LLM call; this module only decides whether a span
 matches. Each matcher comes in two forms: ``match_<name>(span)`` (public, what a
 YAML rule or a test calls) and ``_<name>(span, kind)`` with the span's
-:class:`~boltstream.streams.spans.SpanKind` already known, which
+:class:`~boltstream.streams.spans.SpanFlags` already known, which
 :func:`~boltstream.streams.air.evaluate_air` uses so every span is classified
 once per rollout instead of once per rule.
 """
@@ -18,18 +18,18 @@ from typing import Any
 
 from .spans import (
     Span,
-    SpanKind,
+    SpanFlags,
     attr,
     openinference_kind,
     reward_of,
-    span_kind,
+    span_flags,
     status_code,
     status_message,
     unwrap,
 )
 
 Matcher = Callable[[Span], "bool | float | None"]
-KindMatcher = Callable[[Span, SpanKind], "bool | float | None"]
+KindMatcher = Callable[[Span, SpanFlags], "bool | float | None"]
 
 _TIMEOUT_TEXT = re.compile(r"time[ds]?[\s_-]?out|deadline[\s_-]?exceeded", re.IGNORECASE)
 _TIMEOUT_HTTP_STATUS = frozenset({408, 504})
@@ -51,11 +51,11 @@ def _unparsable_json(value: Any) -> bool:
 # (what evaluate_air calls, classifying each span once), and the public ``match_name(span)``.
 
 
-def _tool_error(span: Span, kind: SpanKind) -> bool:
+def _tool_error(span: Span, kind: SpanFlags) -> bool:
     return kind.tool and status_code(span) == "ERROR"
 
 
-def _tool_args_invalid(span: Span, kind: SpanKind) -> bool:
+def _tool_args_invalid(span: Span, kind: SpanFlags) -> bool:
     if kind.llm:
         return any(
             key.startswith(_LLM_OUTPUT_PREFIX) and _LLM_OUTPUT_ARGS.match(key) and _unparsable_json(unwrap(value))
@@ -72,7 +72,7 @@ def _tool_args_invalid(span: Span, kind: SpanKind) -> bool:
     )
 
 
-def _timeout(span: Span, kind: SpanKind) -> bool:
+def _timeout(span: Span, kind: SpanFlags) -> bool:
     if kind.llm:
         return False
     message = status_message(span)
@@ -95,7 +95,7 @@ def _timeout(span: Span, kind: SpanKind) -> bool:
     return False
 
 
-def _reward_span(span: Span, kind: SpanKind) -> float | None:
+def _reward_span(span: Span, kind: SpanFlags) -> float | None:
     if not kind.reward:
         return None
     info = reward_of(span)
@@ -104,37 +104,37 @@ def _reward_span(span: Span, kind: SpanKind) -> float | None:
     return info.value
 
 
-def _span_error(span: Span, kind: SpanKind) -> bool:
+def _span_error(span: Span, kind: SpanFlags) -> bool:
     return status_code(span) == "ERROR"
 
 
-def _any_span(span: Span, kind: SpanKind) -> bool:
+def _any_span(span: Span, kind: SpanFlags) -> bool:
     return True
 
 
 def match_tool_error(span: Span) -> bool:
     """A tool span that ended with status ERROR."""
-    return _tool_error(span, span_kind(span))
+    return _tool_error(span, span_flags(span))
 
 
 def match_tool_args_invalid(span: Span) -> bool:
     """Tool-call arguments the model produced that are not valid JSON."""
-    return _tool_args_invalid(span, span_kind(span))
+    return _tool_args_invalid(span, span_flags(span))
 
 
 def match_timeout(span: Span) -> bool:
     """A non-LLM span marked as timed out by its status, attributes or exception events."""
-    return _timeout(span, span_kind(span))
+    return _timeout(span, span_flags(span))
 
 
 def match_reward_span(span: Span) -> float | None:
     """The value of an intermediate (non-final) reward span."""
-    return _reward_span(span, span_kind(span))
+    return _reward_span(span, span_flags(span))
 
 
 def match_span_error(span: Span) -> bool:
     """Any span with status ERROR."""
-    return _span_error(span, span_kind(span))
+    return _span_error(span, span_flags(span))
 
 
 def match_any_span(span: Span) -> bool:
@@ -142,7 +142,6 @@ def match_any_span(span: Span) -> bool:
     return True
 
 
-KindMatcher = Callable[[Span, SpanKind], "bool | float | None"]
 WITH_KIND: dict[str, KindMatcher] = {
     "reward_span": _reward_span,
     "tool_args_invalid": _tool_args_invalid,

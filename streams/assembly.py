@@ -45,15 +45,15 @@ from .span_tree import AssemblyError, SpanTree, build_span_tree
 from .spans import (
     RewardInfo,
     Span,
-    SpanKind,
+    SpanFlags,
     attr,
     has_token_ids,
     inherited_agent_names,
     is_feedback,
     is_rollout_root,
     reward_of,
+    span_flags,
     span_ids,
-    span_kind,
     status_code,
     status_message,
 )
@@ -182,7 +182,7 @@ def _status(root: Span | None, status: str | None, error: str | None) -> tuple[s
     return status, error
 
 
-def _llm_calls(tree: SpanTree, kinds: Mapping[str, SpanKind], stats: AssemblyStats) -> list[Span]:
+def _llm_calls(tree: SpanTree, kinds: Mapping[str, SpanFlags], stats: AssemblyStats) -> list[Span]:
     """The rollout's LLM calls in time order: without wrappers (an LLM span without token ids
     around one with them: the same call seen twice) and without repeated responses (the same
     prompt, response and start time from two instrumentations)."""
@@ -288,7 +288,7 @@ def assemble_trajectory_with_stats(
     if problems:
         raise InvalidRollout(f"rollout {rid}: {summarise(problems)}")
 
-    kinds = {sid: span_kind(s) for sid, s in tree.spans.items()}
+    kinds = {sid: span_flags(s) for sid, s in tree.spans.items()}
     calls = _llm_calls(tree, kinds, stats)
     stats.llm_calls = len(calls)
 

@@ -164,7 +164,7 @@ def has_token_ids(span: Span) -> bool:
 
 def is_tool_span(span: Span) -> bool:
     """True for a tool execution (GenAI ``execute_tool``, OpenInference ``TOOL``, OpenLLMetry or AgentOps ``tool``)."""
-    return span_kind(span).tool
+    return span_flags(span).tool
 
 
 def is_reward_span(span: Span) -> bool:
@@ -199,7 +199,7 @@ def is_final_reward(span: Span) -> bool:
     return info is not None and info.final
 
 
-class SpanKind(NamedTuple):
+class SpanFlags(NamedTuple):
     """What a span is, classified once (assembly and AIR ask these several times per span)."""
 
     llm: bool
@@ -207,11 +207,11 @@ class SpanKind(NamedTuple):
     reward: bool
 
 
-def span_kind(span: Span) -> SpanKind:
+def span_flags(span: Span) -> SpanFlags:
     """:func:`is_llm_span`, :func:`is_tool_span` and :func:`is_reward_span` of ``span`` in one pass."""
     kind = _kind(span, _attrs(span))
     llm = span.get("llm") is not None or kind == semantics.LLM
-    return SpanKind(llm, not llm and kind == semantics.TOOL, kind == semantics.REWARD)
+    return SpanFlags(llm, not llm and kind == semantics.TOOL, kind == semantics.REWARD)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class _Stage(Accumulator):
             await self.dlq.send(reason, topic=self.in_topic, partition=entry.partition, offset=item.offset,
                                 key=item.key, value=item.raw, category="not_kept")
 
-    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+    def rejection(self, item: dict[str, Any]) -> tuple[str, str] | None:
         """(reason, DLQ category) when a decoded record cannot be accumulated, else None."""
         return None
 
@@ -153,7 +153,7 @@ class _Stage(Accumulator):
                 await self.dlq.reject(message, f"undecodable {self.record}: {exc}", "undecodable")
                 continue
             try:
-                problem = self.identify(item)
+                problem = self.rejection(item)
                 if problem is None:
                     key, item_id = self.item_key_of(item)
                     problem = self.refuse(message.partition, key, item)
@@ -265,7 +265,7 @@ class RolloutStage(_Stage):
         value = self.codec.encode("Trajectory", trajectory, topic=self.out_topic)
         return [(self.out_topic, partition_key(trajectory).encode(), value)]
 
-    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+    def rejection(self, item: dict[str, Any]) -> tuple[str, str] | None:
         key, span_id = rollout_key(item), item.get("span_id")
         if not key:
             return "span has no rollout id, session id or trace id: it belongs to no rollout", "no_rollout_id"
@@ -328,7 +328,7 @@ class GroupStage(_Stage):
         key = (task_id or entry.key).encode()
         return [(self.out_topic, key, self.codec.encode("TrainingBatch", b, topic=self.out_topic)) for b in batches]
 
-    def identify(self, item: dict[str, Any]) -> tuple[str, str] | None:
+    def rejection(self, item: dict[str, Any]) -> tuple[str, str] | None:
         problems = trajectory_problems(item)
         if problems:
             return f"trajectory {item.get('attempt_id')} rejected: {summarise(problems)}", "invalid_trajectory"

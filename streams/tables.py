@@ -38,14 +38,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-import time
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, log_end_offsets
+from boltstream.kafka import consumer_kwargs, log_end_offsets, read_tails
 
 log = logging.getLogger(__name__)
 
@@ -153,31 +152,30 @@ async def catch_up(
     todo = {tp: end for tp, end in true_end.items() if end > 0}
     if not todo:
         return 0
+    applied = 0
+
+    def apply(tp: TopicPartition, records: list[Any]) -> bool:
+        nonlocal applied
+        store, end = by_topic[tp.topic].store, todo[tp]
+        for record in records:
+            if record.offset >= end:
+                return True
+            if record.value is None:
+                store.pop(record.key, None)
+            else:
+                store[record.key] = record.value
+            applied += 1
+        return records[-1].offset + 1 >= end
+
     consumer = AIOKafkaConsumer(**consumer_kwargs(settings, None))
     await consumer.start()
-    applied = 0
     try:
         reported = await consumer.end_offsets(list(todo))
-        consumer.assign(list(todo))
-        for tp in todo:
-            consumer.seek(tp, max(0, min(reported.get(tp, 0), todo[tp]) - 1))
-        deadline = time.monotonic() + timeout
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"changelog catch-up did not reach the end of {sorted(map(str, todo))}")
-            batches = await consumer.getmany(*todo, timeout_ms=500)
-            for tp, records in batches.items():
-                store = by_topic[tp.topic].store
-                for record in records:
-                    if record.offset >= todo.get(tp, 0):
-                        break
-                    if record.value is None:
-                        store.pop(record.key, None)
-                    else:
-                        store[record.key] = record.value
-                    applied += 1
-                if records and records[-1].offset + 1 >= todo.get(tp, 0):
-                    todo.pop(tp, None)
+        starts = {tp: max(0, min(reported.get(tp, 0), end) - 1) for tp, end in todo.items()}
+        try:
+            await read_tails(consumer, starts, apply, timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"changelog catch-up: {exc}") from exc
     finally:
         await consumer.stop()
     log.debug("changelog catch-up re-applied %d record(s)", applied)

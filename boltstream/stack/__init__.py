@@ -3,6 +3,7 @@
 - :mod:`~boltstream.stack.lifecycle`: start, status, crash-test and stop the pair;
 - :mod:`~boltstream.stack.services`: each service's process, and waiting until it answers;
 - :mod:`~boltstream.stack.state`: the state file other processes find the stack through;
+- :mod:`~boltstream.stack.tls`: a self-signed certificate and a TLS-terminating front for the broker (``--secure``);
 - :mod:`~boltstream.stack.cli`: ``boltstream stack up|down|status|env``.
 
 Processes are started and stopped by :mod:`boltstream.processes`.

@@ -13,9 +13,9 @@ import torch
 from boltstream.learner import flash_cpu
 from boltstream.learner.chain_attention import NAME, chain_plan, install, installed, resolve_chain_attention
 from boltstream.learner.config import StepConfig
-from boltstream.learner.prefix_tree import build_tree
 from boltstream.learner.step import accumulate_gradients, train_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
+from boltstream.learner.token_trie import build_tree
 from tests.unit.learner.test_shared_prefix import assert_grads_equal, grads, make_model, norm
 
 VOCAB = 64

@@ -14,10 +14,10 @@ from peft import LoraConfig, get_peft_model
 from boltstream.inference import kv_cache
 from boltstream.learner.collate import collate
 from boltstream.learner.config import StepConfig
-from boltstream.learner.prefix_tree import build_tree, shared_prefix_length
 from boltstream.learner.shared_prefix import SharedPrefix, probe_shared_prefix, resolve_shared_prefix
 from boltstream.learner.step import _logged_fallbacks, accumulate_gradients, sequence_logprobs, train_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
+from boltstream.learner.token_trie import build_tree, shared_prefix_length
 
 VOCAB = 64
 

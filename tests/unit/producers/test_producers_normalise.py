@@ -193,8 +193,8 @@ def test_dialects(dialect: str, attrs: dict[str, Any], llm: dict[str, Any], msgs
     ("agentlightning.annotation", {"agentlightning.reward.0.value": "0.5"}, "reward"),
     ("x", {"http.method": "GET"}, None),
 ])
-def test_span_kind(name: str, attrs: dict[str, Any], kind: str | None) -> None:
-    assert genai.span_kind(name, attrs) == kind
+def test_raw_span_kind(name: str, attrs: dict[str, Any], kind: str | None) -> None:
+    assert genai.raw_span_kind(name, attrs) == kind
 
 
 @pytest.mark.parametrize(("attrs", "expected"), [

@@ -11,7 +11,7 @@ import pytest
 from boltstream.producers.normalise import SpanInput, normalise
 from boltstream.schemas import genai_semantics
 from boltstream.schemas.records import SPAN_KIND
-from boltstream.streams.spans import span_kind as stream_kind
+from boltstream.streams.spans import span_flags as stream_kind
 
 # (span name, attributes as the agent's instrumentation writes them, kind)
 SHAPES: list[tuple[str, dict[str, Any], str | None]] = [

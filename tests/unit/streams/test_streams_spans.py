@@ -18,8 +18,8 @@ from boltstream.streams.spans import (
     is_tool_span,
     own_agent_name,
     reward_of,
+    span_flags,
     span_ids,
-    span_kind,
 )
 from tests.unit.streams.factory import llm_span, reward_span, root_span, span, tool_span
 
@@ -89,7 +89,7 @@ def test_is_tool_span(attrs: dict, expected: bool) -> None:
     assert is_tool_span(span("x", attrs=attrs)) is expected
 
 
-def test_span_kind_agrees_with_the_single_predicates() -> None:
+def test_span_flags_agree_with_the_single_predicates() -> None:
     samples = [
         llm_span("l", [1], [2], start=0, end=1), tool_span("t", start=0, end=1, error=True),
         reward_span("w", 1.0, at=0), root_span(), span("x"), span("e", attrs={"openinference.span.kind": "TOOL"}),
@@ -97,7 +97,7 @@ def test_span_kind_agrees_with_the_single_predicates() -> None:
         span("r", name="x", attrs={"boltstream.span.kind": "reward", "gen_ai.operation.name": "execute_tool"}),
     ]
     for s in samples:
-        assert tuple(span_kind(s)) == (is_llm_span(s), is_tool_span(s), is_reward_span(s)), s["span_id"]
+        assert tuple(span_flags(s)) == (is_llm_span(s), is_tool_span(s), is_reward_span(s)), s["span_id"]
 
 
 def test_reward_and_root_classification() -> None:

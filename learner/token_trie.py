@@ -14,7 +14,7 @@ of ``j``'s subtree. Each node attends to its ancestors and itself, at position i
 a node sees exactly what the same token sees in its own sample's causal attention.
 
 Everything here is pure (lists and CPU tensors in, tensors out); the model side is in
-:mod:`.tree_step`.
+:mod:`.tree_forward`.
 """
 
 from __future__ import annotations

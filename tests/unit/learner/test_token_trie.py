@@ -1,4 +1,4 @@
-"""Tries, tree masks and packing by unique tokens, on small hand-drawn cases (learner/prefix_tree.py)."""
+"""Tries, tree masks and packing by unique tokens, on small hand-drawn cases (learner/token_trie.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from array import array
 import pytest
 import torch
 
-from boltstream.learner.prefix_tree import (
+from boltstream.learner.token_trie import (
     ancestor_mask,
     build_tree,
     common_prefix,

@@ -1,5 +1,5 @@
 """The tree forward equals the flat one (log-probs, gradients, whole steps), and models that cannot
-take a tree mask fall back to flat (learner/tree_step.py, learner/step.py), on a tiny real Llama."""
+take a tree mask fall back to flat (learner/tree_forward.py, learner/step.py), on a tiny real Llama."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from peft import LoraConfig, get_peft_model
 
 from boltstream.learner.collate import collate
 from boltstream.learner.config import StepConfig
-from boltstream.learner.prefix_tree import build_tree
 from boltstream.learner.step import accumulate_gradients, runs_tree, sequence_logprobs, train_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
-from boltstream.learner.tree_step import label_nodes, probe_tree_support, resolve_prefix_tree, tree_problem
+from boltstream.learner.token_trie import build_tree
+from boltstream.learner.tree_forward import label_nodes, probe_tree_support, resolve_prefix_tree, tree_problem
 
 VOCAB = 64
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from boltstream.inference.prefix_tree import PrefixTree
+from boltstream.inference.radix_tree import PrefixTree
 
 NS = "policy"
 

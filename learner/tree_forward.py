@@ -1,6 +1,6 @@
 """The model side of prefix-tree training: the decoder's inputs for a trie, and whether a model takes them.
 
-A tree forward runs the decoder once on a micro-batch's trie (:mod:`.prefix_tree`): ``input_ids``
+A tree forward runs the decoder once on a micro-batch's trie (:mod:`.token_trie`): ``input_ids``
 are the nodes' tokens ``[1, N]``, ``position_ids`` their depths, and ``attention_mask`` the
 tree mask as a 4-D ``[1, 1, N, N]`` tensor (after a step's shared prefix of ``P`` tokens,
 :mod:`.shared_prefix`: positions ``P + depth`` and a ``[1, 1, N, P + N]`` mask that sees all of it). What it relies on in transformers (checked by
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .config import StepConfig
-from .prefix_tree import PrefixTree, build_tree
+from .token_trie import PrefixTree, build_tree
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def label_nodes(tree: PrefixTree, shape: torch.Size | tuple[int, int], prefix_le
     that label (the node of token ``t``); 0 at padding. Indexing the tree's hidden states with it
     at the loss mask gives the flat path's ``hidden[:, :-1][loss_mask]`` row for row. With
     ``prefix_length`` the trie holds each sample's tokens from ``prefix_length`` on (the label
-    positions before it are never trained: :func:`.prefix_tree.shared_prefix_length`) and they
+    positions before it are never trained: :func:`.token_trie.shared_prefix_length`) and they
     point at node 0."""
     index = torch.zeros(shape, dtype=torch.long)
     for b, nodes in enumerate(tree.node_index):
