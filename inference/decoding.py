@@ -3,7 +3,8 @@
 Why hand-written: one batch mixes requests with different temperatures, top_p,
 seeds, stop strings and lengths; requests JOIN a running batch between decode
 steps (continuous batching: closed-loop agents never line up at batch
-boundaries), finished rows LEAVE it; and every sampled token's log-probability
+boundaries), finished rows LEAVE it (a quarter of the batch at a time,
+:func:`retire`); and every sampled token's log-probability
 must follow the convention in :mod:`boltstream.inference.backend`.
 
 A :class:`DecodeState` holds the active rows and, aligned with them, the KV
@@ -27,6 +28,9 @@ from typing import Any
 from boltstream.inference import kv_cache, llama_step
 from boltstream.inference.backend import SamplingParams
 from boltstream.inference.llama_step import KVBuffer
+
+# Finished rows stay in the batch until they are this share of it (:func:`retire`).
+RETIRE_SHARE = 0.25
 
 
 @dataclass
@@ -118,19 +122,32 @@ def join(a: DecodeState, b: DecodeState) -> DecodeState:
 
     length = max(a.mask.shape[1], b.mask.shape[1])
     pad_a, pad_b = length - a.mask.shape[1], length - b.mask.shape[1]
-    data = []
-    for (ka, va), (kb, vb) in zip(cache_layers(a.cache), cache_layers(b.cache), strict=True):
-        keys = torch.cat([F.pad(ka, (0, 0, pad_a, 0)), F.pad(kb, (0, 0, pad_b, 0))])
-        values = torch.cat([F.pad(va, (0, 0, pad_a, 0)), F.pad(vb, (0, 0, pad_b, 0))])
-        data.append((keys, values))
+    if isinstance(a.cache, KVBuffer):
+        cache: Any = KVBuffer.stacked([(cache_layers(a.cache), pad_a), (cache_layers(b.cache), pad_b)])
+    else:
+        cache = kv_cache.make_cache([
+            (torch.cat([F.pad(ka, (0, 0, pad_a, 0)), F.pad(kb, (0, 0, pad_b, 0))]),
+             torch.cat([F.pad(va, (0, 0, pad_a, 0)), F.pad(vb, (0, 0, pad_b, 0))]))
+            for (ka, va), (kb, vb) in zip(cache_layers(a.cache), cache_layers(b.cache), strict=True)])
     return DecodeState(
         a.rows + b.rows,
-        KVBuffer.from_layers(data) if isinstance(a.cache, KVBuffer) else kv_cache.make_cache(data),
+        cache,
         torch.cat([F.pad(a.mask, (pad_a, 0)), F.pad(b.mask, (pad_b, 0))]),
         torch.cat([a.positions, b.positions]),
         torch.cat([a.logits, b.logits]),
         torch.cat([a.temps, b.temps]),
     )
+
+
+def retire(state: DecodeState, live: list[int]) -> DecodeState:
+    """``state`` with only its ``live`` rows once the finished ones are :data:`RETIRE_SHARE` of it
+    (:func:`select`), else unchanged: finished rows ride along, fed their last token, their samples
+    ignored. Dropping rows copies every other row's keys/values; done each time a row finished, that
+    was a tenth of an agent step's generation, while a finished row costs a step little more than
+    its share of the attention."""
+    if len(state.rows) - len(live) < RETIRE_SHARE * len(state.rows):
+        return state
+    return select(state, live)
 
 
 def select(state: DecodeState, keep: list[int]) -> DecodeState:

@@ -53,16 +53,30 @@ class KVBuffer:
     def from_layers(cls, layers: list[tuple[Any, Any]], room: int = GROWTH) -> KVBuffer:
         """A buffer holding ``layers`` (``(keys, values)`` per layer, ``[batch, kv_heads, seq, head_dim]``)
         with ``room`` free columns after them."""
+        return cls.stacked([(layers, 0)], room)
+
+    @classmethod
+    def stacked(cls, parts: list[tuple[list[tuple[Any, Any]], int]], room: int = GROWTH) -> KVBuffer:
+        """One buffer holding the rows of each part, one part under the other: a part is its ``(keys,
+        values)`` per layer and the zero columns that left-pad it to the longest part. Each value is
+        copied once (joining a running batch used to pad, concatenate and copy again: three copies)."""
         import torch
 
+        length = max(layers[0][0].shape[2] + pad for layers, pad in parts)
+        rows = sum(layers[0][0].shape[0] for layers, _ in parts)
         keys, values = [], []
-        length = layers[0][0].shape[2]
-        for k, v in layers:
-            b, h, _, d = k.shape
-            kb = torch.empty((b, h, length + room, d), dtype=k.dtype, device=k.device)
+        for i, (k0, _) in enumerate(parts[0][0]):
+            _, h, _, d = k0.shape
+            kb = torch.empty((rows, h, length + room, d), dtype=k0.dtype, device=k0.device)
             vb = torch.empty_like(kb)
-            kb[:, :, :length] = k
-            vb[:, :, :length] = v
+            r = 0
+            for layers, pad in parts:
+                k, v = layers[i]
+                n = k.shape[0]
+                for buf, src in ((kb, k), (vb, v)):
+                    buf[r:r + n, :, :pad].zero_()  # padding is attended with weight 0: it must not be NaN
+                    buf[r:r + n, :, pad:length] = src
+                r += n
             keys.append(kb)
             values.append(vb)
         return cls(keys, values, length)

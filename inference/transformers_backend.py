@@ -307,6 +307,8 @@ class TransformersBackend(WeightSwapping):
             tokens, logprobs = decoding.sample(state)
             keep: list[int] = []
             for j, (row, tok, lp) in enumerate(zip(state.rows, tokens, logprobs, strict=True)):
+                if row.finish is not None:  # answered already; rides along until retired
+                    continue
                 row.ids.append(tok)
                 row.logprobs.append(lp)
                 if row.request.on_token is not None and self._loop is not None:
@@ -320,10 +322,10 @@ class TransformersBackend(WeightSwapping):
                     self._store_row(policy, state, j, key)
             if not keep:
                 return
-            state = decoding.select(state, keep)
+            state = decoding.retire(state, keep)
             self.decode_steps += 1
             self.decode_rows += len(keep)
-            joiners = self._take(len(state.rows), key, joining=True) if (
+            joiners = self._take(len(keep), key, joining=True) if (
                 joinable and self._policies[key] is policy and self._pending and not self._closing) else []
             if not joiners:
                 decoding.advance(model, state)
@@ -333,7 +335,8 @@ class TransformersBackend(WeightSwapping):
             new_rows = decoding.make_rows(joiners)
             for r in new_rows:
                 rows_of.setdefault(id(r.request), []).append(r)
-            state = self._advance_joining(policy, state, new_rows, key)
+            live = [j for j, r in enumerate(state.rows) if r.finish is None]  # finished rows leave as they join
+            state = self._advance_joining(policy, decoding.select(state, live), new_rows, key)
 
     def _set_threads(self) -> None:
         import torch

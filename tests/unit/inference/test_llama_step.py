@@ -135,3 +135,26 @@ def test_a_block_prefilled_in_the_decode_pass_equals_its_own_forward() -> None:
     for (k, v), (k2, v2) in zip(layers, kv_cache.layers_of(out.past_key_values), strict=True):
         torch.testing.assert_close(k.permute(0, 2, 1, 3)[real], k2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v.permute(0, 2, 1, 3)[real], v2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_stacked_buffer_is_the_parts_left_padded_with_zeros_one_under_the_other() -> None:
+    a = [(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)) for _ in range(2)]  # 2 rows of 4 columns
+    b = [(torch.randn(1, 3, 6, 5), torch.randn(1, 3, 6, 5)) for _ in range(2)]  # 1 row of 6 columns
+    buf = KVBuffer.stacked([(a, 2), (b, 0)], room=3)
+    assert buf.length == 6 and buf.capacity == 9
+    for (k, v), (ka, va), (kb, vb) in zip(buf.layers(), a, b, strict=True):
+        want_k = torch.cat([torch.nn.functional.pad(ka, (0, 0, 2, 0)), kb])
+        want_v = torch.cat([torch.nn.functional.pad(va, (0, 0, 2, 0)), vb])
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_finished_rows_ride_along_until_a_quarter_of_the_batch_has_finished() -> None:
+    model, _ = tiny_model_and_tokenizer(0)
+    with torch.inference_mode():
+        state = decoding.prefill(model, rows_for([[5, 6, 7, 8 + i] for i in range(8)]), 0, "cpu")
+    assert decoding.retire(state, [0, 1, 2, 3, 4, 5, 7]) is state  # 1 of 8 finished: kept, no copy
+    keys = state.cache.keys[0][:, :, :state.cache.length].clone()
+    smaller = decoding.retire(state, [0, 1, 3, 4, 5, 7])  # 2 of 8: dropped (the buffer narrowed in place)
+    assert smaller.rows == [state.rows[j] for j in (0, 1, 3, 4, 5, 7)]
+    assert smaller.cache.keys[0].shape[0] == 6 and smaller.logits.shape[0] == 6
+    torch.testing.assert_close(smaller.cache.keys[0][:, :, :smaller.cache.length], keys[[0, 1, 3, 4, 5, 7]])
