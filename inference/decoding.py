@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,28 +116,39 @@ def can_join(state: DecodeState) -> bool:
     return isinstance(state.cache, KVBuffer) or kv_cache.is_growing(state.cache)
 
 
-def join(a: DecodeState, b: DecodeState) -> DecodeState:
-    """One state holding the rows of ``a`` then ``b``; the shorter side is left-padded (masked out)."""
+def join(a: DecodeState, b: DecodeState, reuse: Sequence[int] = ()) -> DecodeState:
+    """One state holding the rows of ``a`` then ``b``; the shorter side is left-padded (masked out).
+
+    ``reuse``: rows of ``a`` whose sequences finished; the first rows of ``b`` take their places (a KV
+    buffer only), so a request joining as another leaves moves no other row."""
     import torch
     import torch.nn.functional as F
 
     length = max(a.mask.shape[1], b.mask.shape[1])
     pad_a, pad_b = length - a.mask.shape[1], length - b.mask.shape[1]
     if isinstance(a.cache, KVBuffer):
-        cache: Any = KVBuffer.stacked([(cache_layers(a.cache), pad_a), (cache_layers(b.cache), pad_b)])
+        reuse = list(reuse)[:len(b.rows)]
+        cache: Any = a.cache
+        cache.append(cache_layers(b.cache), into=reuse)  # in place: the running rows stay where they are
     else:
+        if reuse:
+            raise ValueError("only a KV buffer reuses rows")
         cache = kv_cache.make_cache([
             (torch.cat([F.pad(ka, (0, 0, pad_a, 0)), F.pad(kb, (0, 0, pad_b, 0))]),
              torch.cat([F.pad(va, (0, 0, pad_a, 0)), F.pad(vb, (0, 0, pad_b, 0))]))
             for (ka, va), (kb, vb) in zip(cache_layers(a.cache), cache_layers(b.cache), strict=True)])
-    return DecodeState(
-        a.rows + b.rows,
-        cache,
-        torch.cat([F.pad(a.mask, (pad_a, 0)), F.pad(b.mask, (pad_b, 0))]),
-        torch.cat([a.positions, b.positions]),
-        torch.cat([a.logits, b.logits]),
-        torch.cat([a.temps, b.temps]),
-    )
+    k = len(reuse)
+    rows = list(a.rows)
+    for i, j in enumerate(reuse):
+        rows[j] = b.rows[i]
+    parts = []
+    for ta, tb in ((F.pad(a.mask, (pad_a, 0)), F.pad(b.mask, (pad_b, 0))), (a.positions, b.positions),
+                   (a.logits, b.logits), (a.temps, b.temps)):
+        if k:
+            ta = ta.clone()
+            ta[torch.tensor(reuse, device=ta.device)] = tb[:k]
+        parts.append(torch.cat([ta, tb[k:]]))
+    return DecodeState(rows + b.rows[k:], cache, *parts)
 
 
 def retire(state: DecodeState, live: list[int]) -> DecodeState:

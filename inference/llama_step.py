@@ -8,8 +8,8 @@ of context, 2 threads: 128 ms a step, of which ``torch.cat`` growing the
 the attention call with its mask 16 ms. Here:
 
 * keys/values live in a :class:`KVBuffer` with room to grow: a step writes one
-  column in place; rows leave (:meth:`KVBuffer.select`) or join between steps, which copies
-  only then;
+  column in place; joining rows are written into free rows (and free columns on the left when
+  their context is longer), leaving rows (:meth:`KVBuffer.select`) are copied over;
 * q/k/v and gate/up are each one matrix product over weights concatenated once
   per model (:class:`LlamaStep`);
 * attention of one query per row is one ``scaled_dot_product_attention`` call
@@ -30,83 +30,112 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Columns allocated beyond the current length when a buffer is (re)built: a step
-# that finds the buffer full copies it into one this much longer.
+# Free columns allocated after the filled ones when a buffer is (re)built: a step that finds none left copies
+# the buffer into one this much longer.
 GROWTH = 128
+# Free columns kept before the filled ones: a joining request whose context is longer than the running
+# rows' takes them (the running rows gain left padding) instead of a copy of every row.
+LEFT_ROOM = 128
+# Free rows kept after the used ones: a joining request is written into them, the running rows stay put.
+ROW_ROOM = 8
 
 
 @dataclass
 class KVBuffer:
-    """Keys and values of every layer, ``[batch, kv_heads, capacity, head_dim]`` each; columns
-    ``[0, length)`` are filled (rows left-padded to a common length, as the decode state's mask says)."""
+    """Keys and values of every layer, ``[row capacity, kv_heads, column capacity, head_dim]`` each.
+
+    Rows ``[0, rows)`` are the batch's, in order; columns ``[start, start + length)`` are filled, every
+    row left-padded to that common length as the decode state's mask says. A decode step writes column
+    ``start + length``. Free rows below and free columns on both sides let requests join without
+    moving the rows already there; only leaving rows (:meth:`select`) and a full buffer copy."""
 
     keys: list[Any]
     values: list[Any]
+    rows: int
+    start: int
     length: int
 
     @classmethod
-    def from_layers(cls, layers: list[tuple[Any, Any]], room: int = GROWTH) -> KVBuffer:
+    def from_layers(cls, layers: list[tuple[Any, Any]], room: int | None = None, left: int | None = None,
+                    spare_rows: int | None = None) -> KVBuffer:
         """A buffer holding ``layers`` (``(keys, values)`` per layer, ``[batch, kv_heads, seq, head_dim]``)
-        with ``room`` free columns after them."""
-        return cls.stacked([(layers, 0)], room)
-
-    @classmethod
-    def stacked(cls, parts: list[tuple[list[tuple[Any, Any]], int]], room: int = GROWTH) -> KVBuffer:
-        """One buffer holding the rows of each part, one part under the other: a part is its ``(keys,
-        values)`` per layer and the zero columns that left-pad it to the longest part. Each value is
-        copied once (joining a running batch used to pad, concatenate and copy again: three copies)."""
+        with ``spare_rows`` free rows below them and ``left`` / ``room`` free columns before / after
+        (default :data:`ROW_ROOM`, :data:`LEFT_ROOM`, :data:`GROWTH`)."""
         import torch
 
-        length = max(layers[0][0].shape[2] + pad for layers, pad in parts)
-        rows = sum(layers[0][0].shape[0] for layers, _ in parts)
+        room = GROWTH if room is None else room
+        left = LEFT_ROOM if left is None else left
+        spare_rows = ROW_ROOM if spare_rows is None else spare_rows
+        rows, h, length, d = layers[0][0].shape
         keys, values = [], []
-        for i, (k0, _) in enumerate(parts[0][0]):
-            _, h, _, d = k0.shape
-            kb = torch.empty((rows, h, length + room, d), dtype=k0.dtype, device=k0.device)
+        for k, v in layers:
+            kb = torch.empty((rows + spare_rows, h, left + length + room, d), dtype=k.dtype, device=k.device)
             vb = torch.empty_like(kb)
-            r = 0
-            for layers, pad in parts:
-                k, v = layers[i]
-                n = k.shape[0]
-                for buf, src in ((kb, k), (vb, v)):
-                    buf[r:r + n, :, :pad].zero_()  # padding is attended with weight 0: it must not be NaN
-                    buf[r:r + n, :, pad:length] = src
-                r += n
+            kb[:rows, :, left:left + length] = k
+            vb[:rows, :, left:left + length] = v
             keys.append(kb)
             values.append(vb)
-        return cls(keys, values, length)
+        return cls(keys, values, rows, left, length)
 
     @property
     def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
+        """Columns after ``start`` (filled or free)."""
+        return int(self.keys[0].shape[2]) - self.start
+
+    @property
+    def end(self) -> int:
+        """The column the next step writes."""
+        return self.start + self.length
 
     def layers(self) -> list[tuple[Any, Any]]:
-        """Views of the filled columns, ``(keys, values)`` per layer."""
-        n = self.length
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self.keys, self.values, strict=True)]
+        """Views of the filled part, ``(keys, values)`` per layer, ``[rows, kv_heads, length, head_dim]``."""
+        r, s, e = self.rows, self.start, self.end
+        return [(k[:r, :, s:e], v[:r, :, s:e]) for k, v in zip(self.keys, self.values, strict=True)]
 
     def reserve(self, columns: int) -> None:
         """Make room for ``columns`` more columns (a copy into a longer buffer when full)."""
         if self.length + columns > self.capacity:
-            grown = KVBuffer.from_layers(self.layers(), room=max(columns, GROWTH))
-            self.keys, self.values = grown.keys, grown.values
+            self._rebuild(room=max(columns, GROWTH))
 
     def select(self, rows: Any) -> None:
         """Keep only the batch rows at ``rows`` (an index tensor), in place."""
-        self.keys = [_narrowed(k, rows, self.length) for k in self.keys]
-        self.values = [_narrowed(v, rows, self.length) for v in self.values]
+        n, s, e = int(rows.shape[0]), self.start, self.end
+        for t in (*self.keys, *self.values):
+            t[:n, :, s:e] = t[:self.rows, :, s:e].index_select(0, rows)
+        self.rows = n
 
+    def append(self, layers: list[tuple[Any, Any]], into: Sequence[int] = ()) -> tuple[int, int]:
+        """Add the rows of ``layers`` (``(keys, values)`` per layer): the first ones into the rows at
+        ``into`` (rows whose sequences finished), the rest below the batch's; both sides left-padded to
+        the longer. Returns the pad columns ``(running rows, new rows)`` got. Copies only the new rows
+        while free rows and columns last."""
+        n, width = layers[0][0].shape[0], layers[0][0].shape[2]
+        into = list(into)[:n]
+        below = n - len(into)
+        pad_a, pad_b = max(0, width - self.length), max(0, self.length - width)
+        if self.rows + below > self.keys[0].shape[0] or pad_a > self.start:
+            self._rebuild(room=GROWTH, left=max(LEFT_ROOM, pad_a), spare_rows=max(ROW_ROOM, below))  # a copy
+        r, s = self.rows, self.start - pad_a
+        targets = [*into, *range(r, r + below)]
+        for t in (*self.keys, *self.values):
+            t[:r, :, s:self.start].zero_()  # padding is attended with weight 0: it must not be NaN
+        for (kb, vb), k, v in zip(layers, self.keys, self.values, strict=True):
+            for buf, src in ((k, kb), (v, vb)):
+                for i, row in enumerate(targets):
+                    buf[row, :, s:s + pad_b].zero_()
+                    buf[row, :, s + pad_b:s + pad_b + width] = src[i]
+        self.rows, self.start, self.length = r + below, s, self.length + pad_a
+        return pad_a, pad_b
 
-def _narrowed(t: Any, rows: Any, n: int) -> Any:
-    """``t``'s rows at ``rows``, first ``n`` columns copied into a buffer of the same capacity."""
-    out = t.new_empty((rows.shape[0], *t.shape[1:]))
-    out[:, :, :n] = t[:, :, :n].index_select(0, rows)
-    return out
+    def _rebuild(self, room: int, left: int | None = None, spare_rows: int | None = None) -> None:
+        fresh = KVBuffer.from_layers(self.layers(), room, left, spare_rows)
+        self.keys, self.values, self.rows, self.start = fresh.keys, fresh.values, fresh.rows, fresh.start
 
 
 def _rotate_half(x: Any) -> Any:
@@ -162,7 +191,7 @@ class LlamaStep:
         import torch
 
         kv.reserve(1)
-        col = kv.length
+        start, col = kv.start, kv.end
         rows = ids.shape[0]
         group = self.heads // self.kv_heads
         visible = (mask != 0).view(rows, 1, 1, -1)  # left padding is never attended to
@@ -178,13 +207,14 @@ class LlamaStep:
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, head_dim]
 
         def attend(i: int, q: Any, k: Any, v: Any) -> Any:
-            keys, values = kv.keys[i], kv.values[i]
+            keys, values = kv.keys[i][:rows], kv.values[i][:rows]
             keys[:, :, col] = k[:rows]
             values[:, :, col] = v[:rows]
             # the query heads of one key/value head attend together, as a query of `group` positions
             qg = q[:rows].view(rows, self.kv_heads, group, self.head_dim)
             out = torch.nn.functional.scaled_dot_product_attention(
-                qg, keys[:, :, :col + 1], values[:, :, :col + 1], attn_mask=visible, scale=self.scaling)
+                qg, keys[:, :, start:col + 1], values[:, :, start:col + 1], attn_mask=visible,
+                scale=self.scaling)
             out = out.reshape(rows, -1)
             if block is None:
                 return out
@@ -198,7 +228,7 @@ class LlamaStep:
             return torch.cat([out, bout.transpose(1, 2).reshape(g * width, -1)])
 
         x = self._layers(x, cos, sin, attend)
-        kv.length = col + 1
+        kv.length += 1
         if block is None:
             return self.lm_head(self.norm(x)).float()
         last = torch.cat([x[:rows], x[rows + width - 1::width]])  # each block row's last position

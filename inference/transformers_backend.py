@@ -335,8 +335,7 @@ class TransformersBackend(WeightSwapping):
             new_rows = decoding.make_rows(joiners)
             for r in new_rows:
                 rows_of.setdefault(id(r.request), []).append(r)
-            live = [j for j, r in enumerate(state.rows) if r.finish is None]  # finished rows leave as they join
-            state = self._advance_joining(policy, decoding.select(state, live), new_rows, key)
+            state = self._advance_joining(policy, state, new_rows, key)
 
     def _set_threads(self) -> None:
         import torch
@@ -350,9 +349,13 @@ class TransformersBackend(WeightSwapping):
         """Advance the running rows and prefill ``new_rows`` joining them: in one pass over the weights when
         the plain-torch step runs and the joiners' prompts make one block, else in a forward of their own."""
         cache = self.prefix_cache
+        finished = [j for j, r in enumerate(state.rows) if r.finish is not None]  # joiners take their rows
+        if not isinstance(state.cache, KVBuffer):  # the model's own cache: finished rows leave first
+            state = decoding.select(state, [j for j, r in enumerate(state.rows) if r.finish is None])
+            finished = []
         if not (cache.enabled and self._kv_reusable and isinstance(state.cache, KVBuffer)):
             decoding.advance(policy.model, state)
-            return decoding.join(state, self._prefill(policy, new_rows, key))
+            return decoding.join(state, self._prefill(policy, new_rows, key), finished)
         valid = self._serving(policy, key)
         blocks = prefix_cache.plan(new_rows, cache, key, valid)
         if len(blocks) == 1:
@@ -363,7 +366,7 @@ class TransformersBackend(WeightSwapping):
         else:
             decoding.advance(policy.model, state)
             joining = prefix_cache.prefill_blocks(policy.model, new_rows, blocks, self.device, cache, key, valid)
-        return decoding.join(state, joining)
+        return decoding.join(state, joining, finished)
 
     def _check_finished(self, row: decoding.Row) -> None:
         params = row.params

@@ -137,24 +137,65 @@ def test_a_block_prefilled_in_the_decode_pass_equals_its_own_forward() -> None:
         torch.testing.assert_close(v.permute(0, 2, 1, 3)[real], v2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
 
 
-def test_a_stacked_buffer_is_the_parts_left_padded_with_zeros_one_under_the_other() -> None:
+@pytest.mark.parametrize(("left", "spare_rows"), [(128, 8), (0, 0)])  # in place, and after a rebuild
+def test_appended_rows_are_the_parts_left_padded_with_zeros_one_under_the_other(
+        monkeypatch: pytest.MonkeyPatch, left: int, spare_rows: int) -> None:
+    monkeypatch.setattr(llama_step, "LEFT_ROOM", left)
+    monkeypatch.setattr(llama_step, "ROW_ROOM", spare_rows)
     a = [(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)) for _ in range(2)]  # 2 rows of 4 columns
     b = [(torch.randn(1, 3, 6, 5), torch.randn(1, 3, 6, 5)) for _ in range(2)]  # 1 row of 6 columns
-    buf = KVBuffer.stacked([(a, 2), (b, 0)], room=3)
-    assert buf.length == 6 and buf.capacity == 9
-    for (k, v), (ka, va), (kb, vb) in zip(buf.layers(), a, b, strict=True):
-        want_k = torch.cat([torch.nn.functional.pad(ka, (0, 0, 2, 0)), kb])
-        want_v = torch.cat([torch.nn.functional.pad(va, (0, 0, 2, 0)), vb])
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    c = [(torch.randn(2, 3, 3, 5), torch.randn(2, 3, 3, 5)) for _ in range(2)]  # 2 rows of 3 columns
+    buf = KVBuffer.from_layers(a, room=3)
+    kept = buf.keys[0]
+    assert buf.append(b) == (2, 0) and buf.append(c) == (0, 3)
+    assert (buf.keys[0] is kept) == (spare_rows > 0)  # free rows and columns: the running rows stayed put
+    assert buf.rows == 5 and buf.length == 6
+    pad = torch.nn.functional.pad
+    for (k, v), (ka, va), (kb, vb), (kc, vc) in zip(buf.layers(), a, b, c, strict=True):
+        assert torch.equal(k, torch.cat([pad(ka, (0, 0, 2, 0)), kb, pad(kc, (0, 0, 3, 0))]))
+        assert torch.equal(v, torch.cat([pad(va, (0, 0, 2, 0)), vb, pad(vc, (0, 0, 3, 0))]))
 
 
 def test_finished_rows_ride_along_until_a_quarter_of_the_batch_has_finished() -> None:
     model, _ = tiny_model_and_tokenizer(0)
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the generation thread runs it: the buffer is narrowed in place
         state = decoding.prefill(model, rows_for([[5, 6, 7, 8 + i] for i in range(8)]), 0, "cpu")
-    assert decoding.retire(state, [0, 1, 2, 3, 4, 5, 7]) is state  # 1 of 8 finished: kept, no copy
-    keys = state.cache.keys[0][:, :, :state.cache.length].clone()
-    smaller = decoding.retire(state, [0, 1, 3, 4, 5, 7])  # 2 of 8: dropped (the buffer narrowed in place)
+        assert decoding.retire(state, [0, 1, 2, 3, 4, 5, 7]) is state  # 1 of 8 finished: kept, no copy
+        keys = state.cache.layers()[0][0].clone()
+        smaller = decoding.retire(state, [0, 1, 3, 4, 5, 7])  # 2 of 8: dropped
     assert smaller.rows == [state.rows[j] for j in (0, 1, 3, 4, 5, 7)]
-    assert smaller.cache.keys[0].shape[0] == 6 and smaller.logits.shape[0] == 6
-    torch.testing.assert_close(smaller.cache.keys[0][:, :, :smaller.cache.length], keys[[0, 1, 3, 4, 5, 7]])
+    assert smaller.cache.rows == 6 and smaller.logits.shape[0] == 6
+    torch.testing.assert_close(smaller.cache.layers()[0][0], keys[[0, 1, 3, 4, 5, 7]])
+
+
+@pytest.mark.parametrize("longer", [False, True])  # the joiner's context shorter / longer than the batch's
+def test_a_joiner_in_a_finished_rows_place_decodes_as_one_appended_below(longer: bool) -> None:
+    model, _ = tiny_model_and_tokenizer(0)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    joiner = [[20, 21, 22, 23, 24, 25, 26, 27, 28]] if longer else [[20, 21]]
+    out = {}
+    with torch.inference_mode():
+        for mode in ("reuse", "append"):
+            state = decoding.prefill(model, rows_for(prompts), 0, "cpu")
+            for j, row in enumerate(state.rows):
+                row.ids.append(int(state.logits[j].argmax()))
+            decoding.advance(model, state)
+            for j, row in enumerate(state.rows):
+                row.ids.append(int(state.logits[j].argmax()))
+            new = decoding.prefill(model, rows_for(joiner), 0, "cpu")
+            new.rows[0].ids.append(int(new.logits[0].argmax()))
+            if mode == "reuse":  # row 1 finished: the joiner takes its place
+                state = decoding.join(state, new, reuse=[1])
+                order = [0, 2, 1]
+            else:
+                state = decoding.join(decoding.select(state, [0, 2]), new)
+                order = [0, 1, 2]
+            logits = []
+            for _ in range(3):
+                decoding.advance(model, state)
+                logits.append(state.logits[order].clone())
+                for j, row in enumerate(state.rows):
+                    row.ids.append(int(state.logits[j].argmax()))
+            out[mode] = logits
+    for a, b in zip(out["reuse"], out["append"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
