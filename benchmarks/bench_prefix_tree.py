@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_prefix_tree.py [--shape demo,agent] [--steps 1]
         [--agent-scale 10] [--agent-groups 1] [--agent-budget N] [--agent-tree-budget N]
-        [--flat-samples N] [--without-shared-prefix] [--dense-mask] [--keep-prefix-tokens N] [--chain-min-tokens N]
+        [--flat-samples N] [--without-shared-prefix] [--keep-prefix-tokens N]
 
 Samples of one agent share most of their tokens: the system prompt, the task's question across a
 group's attempts, and a call's prompt holds the previous call whole. The flat step computes every
@@ -32,11 +32,9 @@ Shapes:
 tokens: the flat path runs every sample as its own sequence, so its cost is that of its samples,
 summed (the printed line says "scaled" and from how many samples; 0 runs every sample). The tree
 always runs the whole step. ``--without-shared-prefix`` adds a tree step with the shared prefix
-computed in each micro-batch (``shared_prefix_min_tokens=0``), ``--dense-mask`` one with every trie on
-the dense tree mask (``chain_attention_min_tokens=0``), for comparison. ``--keep-prefix-tokens N`` sets
-``shared_prefix_keep_tokens`` for every tree step (a shared prefix up to N tokens keeps its activations
-instead of a second forward: faster, by that many tokens' more memory); ``--chain-min-tokens N`` sets
-``chain_attention_min_tokens`` (e.g. 1 runs the demo shape's short chains by chains too).
+computed in each micro-batch (``shared_prefix_min_tokens=0``), for comparison. ``--keep-prefix-tokens N``
+sets ``shared_prefix_keep_tokens`` for every tree step (a shared prefix up to N tokens keeps its activations
+instead of a second forward: faster, by that many tokens' more memory).
 
 Prints per shape the time ratio, unique vs total tokens and peak RSS; JSON to
 benchmarks/results/prefix_tree.json.
@@ -130,10 +128,10 @@ def _timed_step(trainer: Any, lr: float, samples: list[dict[str, Any]], cfg: Any
 
 
 def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]], budget: int, steps: int, *,
-              tree_budget: int | None = None, flat_samples: int = 0, without_shared_prefix: bool = False,
-              dense_mask: bool = False) -> dict[str, Any]:
-    """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], [tree step on the
-    dense mask], flat step on the first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
+              tree_budget: int | None = None, flat_samples: int = 0, without_shared_prefix: bool = False
+              ) -> dict[str, Any]:
+    """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], flat step on the
+    first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
     from boltstream.learner.token_trie import shared_prefix_length
 
     base = trainer.step_cfg
@@ -149,9 +147,6 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
             row["tree_without_shared_prefix"] = _timed_step(trainer, lr, samples, dataclasses.replace(
                 tree_cfg, shared_prefix_min_tokens=0, max_tokens_per_micro_batch=tree_cfg.max_tokens_per_micro_batch
                 + prefix))
-        if dense_mask:
-            row["tree_dense_mask"] = _timed_step(trainer, lr, samples, dataclasses.replace(
-                tree_cfg, chain_attention_min_tokens=0))
         flat = _timed_step(trainer, lr, subset, flat_cfg)
         scale = total_tokens / flat["input_tokens"]
         flat.update(measured_seconds=flat["seconds"], scaled_by=round(scale, 4),
@@ -175,11 +170,6 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
             print(f"{name} step {step}: tree without the shared prefix: {w['unique_tokens']} unique tokens, "
                   f"{w['seconds']:.1f} s in {w['micro_batches']} micro-batches, peak RSS {w['peak_rss_mb']} MB: "
                   f"{flat['seconds'] / w['seconds']:.2f}x faster than flat", flush=True)
-        if dense_mask:
-            d = row["tree_dense_mask"]
-            print(f"{name} step {step}: tree on the dense mask: {d['seconds']:.1f} s, peak RSS {d['peak_rss_mb']} MB: "
-                  f"{flat['seconds'] / d['seconds']:.2f}x faster than flat; by chains {d['seconds'] / t['seconds']:.2f}x "
-                  f"faster than the dense mask", flush=True)
     trainer.step_cfg = base
     ratios = [r["ratio"] for r in rows]
     return {"shape": name, "budget": budget, "tree_budget": tree_budget or budget, "samples": len(samples),
@@ -204,12 +194,8 @@ def main() -> int:
                          "(default: 5 for the agent shape, all for demo; 0: all)")
     ap.add_argument("--without-shared-prefix", action="store_true",
                     help="also time a tree step that computes the shared prefix in each micro-batch")
-    ap.add_argument("--dense-mask", action="store_true",
-                    help="also time a tree step with every trie on the dense tree mask (no chains)")
     ap.add_argument("--keep-prefix-tokens", type=int, default=None,
                     help="shared_prefix_keep_tokens of the tree steps (default: the learner's)")
-    ap.add_argument("--chain-min-tokens", type=int, default=None,
-                    help="chain_attention_min_tokens of the tree steps (default: the learner's)")
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
@@ -223,8 +209,6 @@ def main() -> int:
     trainer = make_trainer(cfg)
     if args.keep_prefix_tokens is not None:
         trainer.step_cfg = dataclasses.replace(trainer.step_cfg, shared_prefix_keep_tokens=args.keep_prefix_tokens)
-    if args.chain_min_tokens is not None and trainer.step_cfg.chain_attention_min_tokens:  # 0: the model cannot
-        trainer.step_cfg = dataclasses.replace(trainer.step_cfg, chain_attention_min_tokens=args.chain_min_tokens)
     if not trainer.step_cfg.prefix_tree:
         print("the model cannot run prefix trees (see the log): nothing to compare")
         return 1
@@ -236,7 +220,7 @@ def main() -> int:
             shapes.append(run_shape(trainer, cfg.lr, "demo", demo_samples(trainer.tokenizer, 0),
                                     cfg.step.max_tokens_per_micro_batch, args.steps,
                                     flat_samples=args.flat_samples or 0,
-                                    without_shared_prefix=args.without_shared_prefix, dense_mask=args.dense_mask))
+                                    without_shared_prefix=args.without_shared_prefix))
         elif shape == "agent":
             samples = agent_samples(vocab_size(trainer.model), 0, scale=args.agent_scale, groups=args.agent_groups)
             longest = max(len(s["token_ids"]) for s in samples)
@@ -246,13 +230,11 @@ def main() -> int:
             step = trainer.step_cfg
             print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens "
                   f"({'kept' if prefix <= step.shared_prefix_keep_tokens else 'recomputed'} for the backward), "
-                  f"flat budget {budget}, tree budget {tree_budget} unique tokens after it, chains "
-                  f"{'from ' + str(step.chain_attention_min_tokens) + ' tokens' if step.chain_attention_min_tokens else 'off'}",
-                  flush=True)
+                  f"flat budget {budget}, tree budget {tree_budget} unique tokens after it", flush=True)
             shapes.append(run_shape(trainer, cfg.lr, f"agent/{args.agent_scale}", samples, budget, args.steps,
                                     tree_budget=tree_budget,
                                     flat_samples=5 if args.flat_samples is None else args.flat_samples,
-                                    without_shared_prefix=args.without_shared_prefix, dense_mask=args.dense_mask))
+                                    without_shared_prefix=args.without_shared_prefix))
         else:
             ap.error(f"unknown shape {shape!r}")
     for s in shapes:

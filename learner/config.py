@@ -70,13 +70,6 @@ class StepConfig:
                                                "activations for the backward (one forward over it instead of two; "
                                                "memory of that many more tokens); a longer one is recomputed chunk "
                                                "by chunk (0: always)")
-    # Short chains (the calculator demo's are ~40 tokens) cost more in per-chain calls than the masked pairs
-    # they would skip: docs/learner.md, Chains.
-    chain_attention_min_tokens: int = opt(64, "with --prefix-tree on CPU: when a trie's chains (runs of nodes that "
-                                              "each continue the node before) average at least this many nodes, "
-                                              "each chain runs as two maskless flash attention calls instead of "
-                                              "rows of the dense tree mask, skipping the masked pairs (0: off; "
-                                              "falls back to the mask, logged, where the model or torch cannot)")
     max_grad_norm: float | None = opt(1.0, "clip the gradient norm (none: off)")
     logprob_chunk_size: int = opt(1024, "positions per chunk through the LM head (bounds logits memory)")
     pad_token_id: int = opt(0, cli=False)
@@ -91,7 +84,7 @@ class StepConfig:
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_size", "max_tree_mask_elements"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
-        for name in ("shared_prefix_min_tokens", "shared_prefix_keep_tokens", "chain_attention_min_tokens"):
+        for name in ("shared_prefix_min_tokens", "shared_prefix_keep_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be >= 0")
 

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from boltstream.errors import BoltstreamError
 from boltstream.processes import free_port
 
-from .chain_attention import resolve_chain_attention
 from .config import LearnerConfig
 from .losses import loss_normaliser
 from .model_setup import (
@@ -171,8 +170,7 @@ class DeepSpeedTrainer:
                                         load_optimizer_states=True, load_lr_scheduler_states=False)
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
         dist.barrier()  # every rank has read the resume files before rank 0 deletes them
-        self.step_cfg = resolve_chain_attention(
-            self.model, resolve_prefix_tree(self.model, cfg.step_config(pad_token_id(self.tokenizer))))
+        self.step_cfg = resolve_prefix_tree(self.model, cfg.step_config(pad_token_id(self.tokenizer)))
         logger.info("DeepSpeed ZeRO-%d ready on rank %d of %d", cfg.zero_stage, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ rank 0's commands

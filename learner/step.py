@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-from .chain_attention import chain_plan
-from .chain_attention import installed as chain_installed
 from .collate import Batch, Sample, as_tensor, collate, split_by_token_budget, step_normaliser
 from .config import StepConfig
 from .losses import (
@@ -130,10 +128,6 @@ def sequence_logprobs(
         offset = prefix.length if prefix is not None else 0
         inputs = (tree_inputs(model, tree, sel.device) if prefix is None
                   else prefixed_inputs(model, tree, prefix, sel.device))
-        plan = (chain_plan(tree.parents, offset, cfg.chain_attention_min_tokens)
-                if cfg.chain_attention_min_tokens and chain_installed(model) else None)
-        if plan is not None:
-            inputs["chain_plan"] = plan
         nodes = label_nodes(tree, sel.shape, offset).to(sel.device)[sel]
 
         def trained(states: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import torch
 
-from .chain_attention import resolve_chain_attention
 from .config import LearnerConfig, StepConfig
 from .deepspeed_backend import DeepSpeedTrainer
 from .model_setup import (
@@ -77,8 +76,8 @@ class TorchTrainer:
             self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location=cfg.device,
                                                       weights_only=False))
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
-        self.step_cfg: StepConfig = resolve_chain_attention(model, resolve_shared_prefix(
-            model, resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer)))))
+        self.step_cfg: StepConfig = resolve_shared_prefix(
+            model, resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer))))
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
         if lr is not None:

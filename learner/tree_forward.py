@@ -32,9 +32,7 @@ from .token_trie import PrefixTree, build_tree
 
 logger = logging.getLogger(__name__)
 
-# sdpa's attention with trie chains run maskless (.chain_attention registers it with transformers)
-CHAINS = "boltstream_chains"
-TREE_ATTENTION = ("sdpa", "eager", CHAINS)
+TREE_ATTENTION = ("sdpa", "eager")
 PROBE_TOLERANCE = 1e-3  # a mask that is ignored moves the probe's logits by O(1), rounding by far less
 
 
