@@ -29,12 +29,23 @@ OMP_WAIT_POLICY = "PASSIVE"
 SERVE_SPINCOUNT = "30000"
 
 
-def omp_env(command: str) -> dict[str, str]:
-    """The OpenMP settings a ``boltstream <command>`` process runs with unless its environment sets them."""
+def omp_env(command: str, args: list[str] | None = None) -> dict[str, str]:
+    """The OpenMP settings a ``boltstream <command> [args]`` process runs with unless its environment sets
+    them. Only the transformers worker spins: vLLM runs its own threads, without the thread governor."""
     env = {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
-    if command == "serve":
+    if command == "serve" and _backend(args or []) != "vllm":
         env["GOMP_SPINCOUNT"] = SERVE_SPINCOUNT
     return env
+
+
+def _backend(args: list[str]) -> str:
+    """``serve``'s backend as its parser will see it (flag, else env), read before torch loads."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--backend="):
+            return arg.split("=", 1)[1]
+        if arg == "--backend" and i + 1 < len(args):
+            return args[i + 1]
+    return os.environ.get("BOLTSTREAM_SERVE_BACKEND", "transformers")
 
 
 # name -> (module, one-line help)
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(_usage() + "\n")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    for var, value in omp_env(name).items():
+    for var, value in omp_env(name, rest).items():
         os.environ.setdefault(var, value)  # a user's own setting wins
     if name not in COMMANDS:
         sys.stderr.write(f"boltstream: unknown command {name!r}\n\n{_usage()}\n")
