@@ -26,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 
+from boltstream.cli import SERVE_SPINCOUNT
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 # name -> the OpenMP settings of the child (libgomp: GOMP_SPINCOUNT bounds how long a waiting thread spins
-# before it sleeps; PASSIVE alone sleeps at once)
-SPINCOUNT = "100000"
+# before it sleeps; PASSIVE alone sleeps at once; SPIN is what `boltstream serve` sets)
 POLICIES = {"ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-            "SPIN": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPINCOUNT}}
+            "SPIN": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SERVE_SPINCOUNT}}
 
 CHILD = """
 import json, sys, time, torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,16 @@ def assert_grads_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     for name in want:
         scale = float(want[name].abs().max())
         assert float((got[name] - want[name]).abs().max()) <= 1e-5 * max(scale, 1e-6), name
+
+
+def assert_same_update(flat: Any, w_flat: dict[str, torch.Tensor], other: Any,
+                       w_other: dict[str, torch.Tensor]) -> None:
+    """Two train_step results (metrics, weights after) agree: loss, gradient norm, KL and every weight."""
+    assert other.loss == pytest.approx(flat.loss, abs=1e-6)
+    assert flat.grad_norm > 0 and other.grad_norm == pytest.approx(flat.grad_norm, rel=1e-5)
+    assert other.ref_kl == pytest.approx(flat.ref_kl, abs=1e-6)
+    for name in w_flat:
+        assert torch.allclose(w_other[name], w_flat[name], atol=1e-6, rtol=1e-5), name
 
 
 def norm(g: dict[str, torch.Tensor]) -> float:
@@ -152,11 +163,7 @@ def test_train_step_gives_the_flat_step_s_weights(variant: str, keep: int) -> No
         results.append((m, {n: p.detach().clone() for n, p in model.named_parameters()}))
     (flat, w_flat), (shared, w_shared) = results
     assert shared.micro_batches >= 3 and shared.unique_tokens < flat.unique_tokens
-    assert shared.loss == pytest.approx(flat.loss, abs=1e-6)
-    assert flat.grad_norm > 0 and shared.grad_norm == pytest.approx(flat.grad_norm, rel=1e-5)
-    assert shared.ref_kl == pytest.approx(flat.ref_kl, abs=1e-6)
-    for name in w_flat:
-        assert torch.allclose(w_shared[name], w_flat[name], atol=1e-6, rtol=1e-5), name
+    assert_same_update(flat, w_flat, shared, w_shared)
 
 
 def test_a_separate_reference_model_scores_from_its_own_prefix() -> None:

@@ -16,6 +16,7 @@ from boltstream.learner.step import accumulate_gradients, runs_tree, sequence_lo
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
 from boltstream.learner.token_trie import build_tree
 from boltstream.learner.tree_forward import label_nodes, probe_tree_support, resolve_prefix_tree, tree_problem
+from tests.unit.learner.test_shared_prefix import assert_same_update
 
 VOCAB = 64
 
@@ -101,11 +102,7 @@ def test_train_step_is_the_same_with_and_without_prefix_tree(variant: str) -> No
         results.append((m, {n: p.detach().clone() for n, p in model.named_parameters()}))
     (flat, w_flat), (tree_m, w_tree) = results
     assert tree_m.unique_tokens < flat.unique_tokens == flat.input_tokens == tree_m.input_tokens
-    assert tree_m.loss == pytest.approx(flat.loss, abs=1e-6)
-    assert flat.grad_norm > 0 and tree_m.grad_norm == pytest.approx(flat.grad_norm, rel=1e-5)
-    assert tree_m.ref_kl == pytest.approx(flat.ref_kl, abs=1e-6)
-    for name in w_flat:
-        assert torch.allclose(w_tree[name], w_flat[name], atol=1e-6, rtol=1e-5), name
+    assert_same_update(flat, w_flat, tree_m, w_tree)
 
 
 def test_zero_advantage_skip_and_normaliser_are_unchanged_by_trees() -> None:
