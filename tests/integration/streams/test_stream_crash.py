@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import pytest
+
 from boltstream.config import Settings
 from boltstream.schemas import Codec
 from tests.integration.streams.stream_helpers import TopicReader, produce, samples_of
@@ -20,6 +22,11 @@ from tests.integration.streams.stream_workload import interleaved_spans, make_wo
 TASKS, GROUP = 50, 4
 
 
+# Fails about 1 run in 5 on Tansu, with the stream code of this commit and of the one before the changelog
+# catch-up was last touched alike: the restarted worker's faust recovery raises ConsistencyError (a persisted
+# changelog offset above the high watermark Tansu reports, which is its last batch's base offset + 1), or the
+# survivors stall after the rebalance. One rerun; the cause is open (docs/streams.md).
+@pytest.mark.flaky(reruns=1)
 async def test_sigkill_one_of_two_workers_mid_stream(settings: Settings, start_worker, app_id, record_property) -> None:
     rollouts = make_workload(TASKS, GROUP, seed=23, run=settings.namespace)
     expected = reference_samples(rollouts)
