@@ -101,7 +101,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     def first_forward() -> dict[str, float]:
         batch = micro_batches(demo_like_step(vocab, 0, args.samples), cfg.step.max_tokens_per_micro_batch,
-                              trainer.step_cfg.pad_token_id)[0]
+                              trainer.plan.cfg.pad_token_id)[0]
         params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
         saved: dict[int, int] = {}
 
@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            sequence_logprobs(trainer.model, batch, trainer.step_cfg, with_entropy=True)
+            sequence_logprobs(trainer.model, batch, trainer.plan.cfg, with_entropy=True, fused_head=trainer.plan.fused_head)
         return {"saved_for_backward_mb": round(sum(saved.values()) / 2**20, 1),
                 "micro_batch_shape": list(batch.input_ids.shape)}
 

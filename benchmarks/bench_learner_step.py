@@ -55,19 +55,21 @@ def main() -> int:
 
     from boltstream.learner.memory import pin_mmap_threshold
     from boltstream.learner.model_setup import vocab_size
+    from boltstream.learner.step_plan import plan_step
     from boltstream.learner.trainer import make_trainer
 
     cfg = demo_learner_config(args.model, pinned=True)
     pin_mmap_threshold(cfg.malloc_mmap_threshold_kb)
     trainer = make_trainer(cfg)
     vocab = vocab_size(trainer.model)
-    base = trainer.step_cfg
+    base = trainer.plan.cfg
     rows = []
     for step in range(args.steps):
         samples = with_zero_groups(demo_like_step(vocab, step, args.samples), args.zero_fraction, step)
         row: dict[str, Any] = {"step": step}
         for name, skip in (("all", False), ("skip", True)):
-            trainer.step_cfg = dataclasses.replace(base, skip_zero_advantage=skip)
+            trainer.plan = plan_step(trainer.model, dataclasses.replace(base, skip_zero_advantage=skip),
+                                     ref_model=trainer.ref_model)
             t0 = time.perf_counter()
             m = trainer.step(samples, cfg.lr)
             row[name] = {"seconds": round(time.perf_counter() - t0, 2), "input_tokens": m.input_tokens,

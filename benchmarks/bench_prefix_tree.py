@@ -114,10 +114,10 @@ def agent_samples(vocab: int, seed: int, *, scale: int, groups: int, group_size:
     return out
 
 
-def _timed_step(trainer: Any, lr: float, samples: list[dict[str, Any]], cfg: Any) -> dict[str, Any]:
+def _timed_step(trainer: Any, lr: float, samples: list[dict[str, Any]], plan: Any) -> dict[str, Any]:
     from boltstream.learner.memory import memory_status, reset_peak_rss
 
-    trainer.step_cfg = cfg
+    trainer.plan = plan
     reset_peak_rss()
     t0 = time.perf_counter()
     m = trainer.step(samples, lr)
@@ -132,22 +132,27 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
               ) -> dict[str, Any]:
     """``steps`` x (tree step on all ``samples``, [tree step without the shared prefix], flat step on the
     first ``flat_samples`` of them (0: all), its time scaled to all by tokens)."""
+    from boltstream.learner.step_plan import plan_step
     from boltstream.learner.token_trie import shared_prefix_length
 
-    base = trainer.step_cfg
+    def plan(cfg: Any) -> Any:
+        return plan_step(trainer.model, cfg, ref_model=trainer.ref_model)
+
+    base_plan = trainer.plan
+    base = base_plan.cfg
     tree_cfg = dataclasses.replace(base, prefix_tree=True, max_tokens_per_micro_batch=tree_budget or budget)
-    flat_cfg = dataclasses.replace(base, prefix_tree=False, max_tokens_per_micro_batch=budget)
+    tree_plan, flat_plan = plan(tree_cfg), plan(dataclasses.replace(base, prefix_tree=False,
+                                                                    max_tokens_per_micro_batch=budget))
+    without_plan = plan(dataclasses.replace(tree_cfg, shared_prefix_min_tokens=0, max_tokens_per_micro_batch=(
+        tree_cfg.max_tokens_per_micro_batch + shared_prefix_length(samples, base.shared_prefix_min_tokens))))
     subset = samples[:flat_samples] if 0 < flat_samples < len(samples) else samples
     total_tokens = sum(len(s["token_ids"]) for s in samples)
     rows = []
     for step in range(steps):
-        row: dict[str, Any] = {"step": step, "tree": _timed_step(trainer, lr, samples, tree_cfg)}
+        row: dict[str, Any] = {"step": step, "tree": _timed_step(trainer, lr, samples, tree_plan)}
         if without_shared_prefix:  # the same tries, each with the prefix in front: a budget larger by it
-            prefix = shared_prefix_length(samples, base.shared_prefix_min_tokens)
-            row["tree_without_shared_prefix"] = _timed_step(trainer, lr, samples, dataclasses.replace(
-                tree_cfg, shared_prefix_min_tokens=0, max_tokens_per_micro_batch=tree_cfg.max_tokens_per_micro_batch
-                + prefix))
-        flat = _timed_step(trainer, lr, subset, flat_cfg)
+            row["tree_without_shared_prefix"] = _timed_step(trainer, lr, samples, without_plan)
+        flat = _timed_step(trainer, lr, subset, flat_plan)
         scale = total_tokens / flat["input_tokens"]
         flat.update(measured_seconds=flat["seconds"], scaled_by=round(scale, 4),
                     seconds=round(flat["seconds"] * scale, 2))
@@ -170,7 +175,7 @@ def run_shape(trainer: Any, lr: float, name: str, samples: list[dict[str, Any]],
             print(f"{name} step {step}: tree without the shared prefix: {w['unique_tokens']} unique tokens, "
                   f"{w['seconds']:.1f} s in {w['micro_batches']} micro-batches, peak RSS {w['peak_rss_mb']} MB: "
                   f"{flat['seconds'] / w['seconds']:.2f}x faster than flat", flush=True)
-    trainer.step_cfg = base
+    trainer.plan = base_plan
     ratios = [r["ratio"] for r in rows]
     return {"shape": name, "budget": budget, "tree_budget": tree_budget or budget, "samples": len(samples),
             "flat_samples": len(subset), "flat_scaled": len(subset) < len(samples), "steps": rows,
@@ -201,6 +206,7 @@ def main() -> int:
 
     from boltstream.learner.memory import pin_mmap_threshold
     from boltstream.learner.model_setup import vocab_size
+    from boltstream.learner.step_plan import plan_step
     from boltstream.learner.token_trie import shared_prefix_length
     from boltstream.learner.trainer import make_trainer
 
@@ -208,8 +214,9 @@ def main() -> int:
     pin_mmap_threshold(cfg.malloc_mmap_threshold_kb)
     trainer = make_trainer(cfg)
     if args.keep_prefix_tokens is not None:
-        trainer.step_cfg = dataclasses.replace(trainer.step_cfg, shared_prefix_keep_tokens=args.keep_prefix_tokens)
-    if not trainer.step_cfg.prefix_tree:
+        trainer.plan = plan_step(trainer.model, dataclasses.replace(
+            trainer.plan.cfg, shared_prefix_keep_tokens=args.keep_prefix_tokens), ref_model=trainer.ref_model)
+    if not trainer.plan.tree:
         print("the model cannot run prefix trees (see the log): nothing to compare")
         return 1
     # the first step pays one-time costs (AdamW's state, allocator growth): not on either side's clock
@@ -225,9 +232,9 @@ def main() -> int:
             samples = agent_samples(vocab_size(trainer.model), 0, scale=args.agent_scale, groups=args.agent_groups)
             longest = max(len(s["token_ids"]) for s in samples)
             budget = args.agent_budget or -(-longest // 1024) * 1024 * 2
-            prefix = shared_prefix_length(samples, trainer.step_cfg.shared_prefix_min_tokens)
+            prefix = shared_prefix_length(samples, trainer.plan.cfg.shared_prefix_min_tokens)
             tree_budget = args.agent_tree_budget or -(-(longest - prefix) // 256) * 256
-            step = trainer.step_cfg
+            step = trainer.plan.cfg
             print(f"agent/{args.agent_scale}: {len(samples)} samples, shared prefix {prefix} tokens "
                   f"({'kept' if prefix <= step.shared_prefix_keep_tokens else 'recomputed'} for the backward), "
                   f"flat budget {budget}, tree budget {tree_budget} unique tokens after it", flush=True)

@@ -56,6 +56,7 @@ from boltstream.examples.calc.tasks import train_test
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.model_setup import adamw, build_model, pad_token_id
 from boltstream.learner.step import StepConfig, set_lr, train_step, warmup_lr, with_model_logprobs
+from boltstream.learner.step_plan import plan_step
 from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
 from boltstream.runs.pipeline import PipelineConfig, mean_and_se
 from boltstream.weights.models import stop_token_ids
@@ -158,6 +159,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
     model, tokenizer = build_model(cfg)
     optimizer = adamw(cfg, model)
     step_cfg = StepConfig(pad_token_id=pad_token_id(tokenizer))
+    plan = plan_step(model, step_cfg)
     result: dict[str, Any] = {"before": bare_evaluate(model, tokenizer, test, args.eval_samples, args.temperature)}
     print(f"bare before: {result['before']['score']:.3f} ± {result['before']['se']:.3f}", flush=True)
     rng = random.Random(args.seed)
@@ -174,7 +176,7 @@ def bare_loop(args: argparse.Namespace, train: list[dict], test: list[dict]) -> 
         if samples:
             samples = with_model_logprobs(model, samples, step_cfg)  # on-policy: behaviour == current
             set_lr(optimizer, warmup_lr(args.lr, step, args.lr_warmup_steps))
-            train_step(model, optimizer, samples, step_cfg)
+            train_step(model, optimizer, samples, plan)
         rewards.append(sum(step_rewards) / len(step_rewards))
         print(f"bare step {step}: reward {rewards[-1]:.3f}, rollouts {t1 - t0:.0f}s, update "
               f"{time.perf_counter() - t1:.0f}s ({len(samples)} samples)", flush=True)

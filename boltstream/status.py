@@ -54,6 +54,8 @@ METRIC_SERIES = {
     "worker_spool_pending": "boltstream_inference_spool_pending",
     "stream_rollouts_open": "boltstream_stream_rollouts_open",
 }
+# The learner's step paths: 1 taken, 0 fallen back to a slower path, with the reason as a label.
+STEP_MODE_SERIES = "boltstream_learner_step_mode"
 HTTP_TIMEOUT = 5.0
 
 
@@ -117,6 +119,15 @@ def metric_values(text: str) -> dict[str, float]:
     return out
 
 
+def step_fallbacks(text: str) -> dict[str, str]:
+    """The learner's step paths that fell back to a slower one (path -> reason), from its exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.labels["path"]: sample.labels.get("reason", "")
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == STEP_MODE_SERIES and sample.value == 0}
+
+
 def run_workers(run_dir: Path) -> list[str]:
     """Worker URLs a ``boltstream train`` run recorded (none when it recorded nothing)."""
     path = run_dir / ENDPOINTS_FILE
@@ -167,8 +178,11 @@ def worker_status(url: str) -> dict[str, Any]:
 
 
 def endpoint_metrics(url: str) -> dict[str, Any]:
+    """The :data:`METRIC_SERIES` an endpoint exports, and the learner's step fallbacks (when any)."""
     try:
-        return {"url": url, **metric_values(_http(url).decode())}
+        text = _http(url).decode()
+        fallbacks = step_fallbacks(text)
+        return {"url": url, **metric_values(text), **({"step_fallbacks": fallbacks} if fallbacks else {})}
     except (OSError, ValueError, urllib.error.URLError) as exc:
         return {"url": url, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -339,8 +353,10 @@ def format_report(r: Mapping[str, Any]) -> str:
     if r["metrics"]:
         lines += ["", "metrics endpoints:"]
         for m in r["metrics"]:
-            values = ", ".join(f"{k} {v:g}" for k, v in m.items() if k not in ("url", "error"))
+            values = ", ".join(f"{k} {v:g}" for k, v in m.items() if k not in ("url", "error", "step_fallbacks"))
             lines.append(f"  {m['url']}: {m.get('error') or values or 'no series status reads'}")
+            lines += [f"    learner step SLOWER: {path} off: {reason} (the learner's log names the fix)"
+                      for path, reason in m.get("step_fallbacks", {}).items()]
     return "\n".join(lines)
 
 

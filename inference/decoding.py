@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from boltstream.inference import kv_cache, llama_step
+from boltstream.inference import llama_step, transformers_internals
 from boltstream.inference.backend import SamplingParams
 from boltstream.inference.llama_step import KVBuffer
 
@@ -93,27 +93,27 @@ def prefill(model: Any, rows: list[Row], pad_id: int, device: Any) -> DecodeStat
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
     cache = out.past_key_values
-    if kv_cache.is_growing(cache):
-        cache = decode_cache(model, kv_cache.layers_of(cache))
+    if transformers_internals.is_growing(cache):
+        cache = decode_cache(model, transformers_internals.layers_of(cache))
     return DecodeState(rows, cache, mask, positions[:, -1:], out.logits[:, -1, :].float(), temps)
 
 
-def decode_cache(model: Any, layers: kv_cache.KV) -> Any:
+def decode_cache(model: Any, layers: transformers_internals.KV) -> Any:
     """The cache a decode state keeps ``layers`` in: a KV buffer when ``model`` has a
     :func:`~boltstream.inference.llama_step.step_for`, else a ``DynamicCache``."""
     if llama_step.step_for(model) is not None:
         return KVBuffer.from_layers(layers)
-    return kv_cache.make_cache(layers)
+    return transformers_internals.make_cache(layers)
 
 
-def cache_layers(cache: Any) -> kv_cache.KV:
+def cache_layers(cache: Any) -> transformers_internals.KV:
     """``(keys, values)`` per layer of a decode state's cache (filled positions only)."""
-    return cache.layers() if isinstance(cache, KVBuffer) else kv_cache.layers_of(cache)
+    return cache.layers() if isinstance(cache, KVBuffer) else transformers_internals.layers_of(cache)
 
 
 def can_join(state: DecodeState) -> bool:
     """Joining needs plain growing caches (sliding-window or static layers are left alone)."""
-    return isinstance(state.cache, KVBuffer) or kv_cache.is_growing(state.cache)
+    return isinstance(state.cache, KVBuffer) or transformers_internals.is_growing(state.cache)
 
 
 def join(a: DecodeState, b: DecodeState, reuse: Sequence[int] = ()) -> DecodeState:
@@ -133,7 +133,7 @@ def join(a: DecodeState, b: DecodeState, reuse: Sequence[int] = ()) -> DecodeSta
     else:
         if reuse:
             raise ValueError("only a KV buffer reuses rows")
-        cache = kv_cache.make_cache([
+        cache = transformers_internals.make_cache([
             (torch.cat([F.pad(ka, (0, 0, pad_a, 0)), F.pad(kb, (0, 0, pad_b, 0))]),
              torch.cat([F.pad(va, (0, 0, pad_a, 0)), F.pad(vb, (0, 0, pad_b, 0))]))
             for (ka, va), (kb, vb) in zip(cache_layers(a.cache), cache_layers(b.cache), strict=True)])
@@ -172,7 +172,7 @@ def select(state: DecodeState, keep: list[int]) -> DecodeState:
     if isinstance(state.cache, KVBuffer):
         state.cache.select(sel)
     else:
-        kv_cache.select_rows(state.cache, sel)
+        transformers_internals.select_rows(state.cache, sel)
     return DecodeState([state.rows[j] for j in keep], state.cache, state.mask[sel], state.positions[sel],
                        state.logits[sel], state.temps[sel])
 
@@ -191,7 +191,7 @@ def advance(model: Any, state: DecodeState) -> None:
     state.logits = out.logits[:, -1, :].float()
 
 
-def advance_and_prefill(model: Any, state: DecodeState, block: Any) -> tuple[kv_cache.KV, Any]:
+def advance_and_prefill(model: Any, state: DecodeState, block: Any) -> tuple[transformers_internals.KV, Any]:
     """:func:`advance`, and in the same pass over the weights the prefill of ``block`` (a
     :class:`~boltstream.inference.prefix_cache.Block`): its KV per layer and its next-token logits."""
     step = llama_step.step_for(model)

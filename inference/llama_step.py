@@ -314,7 +314,7 @@ def probe(model: Any) -> str | None:
     weights round differently in the two orders of operations: 5e-2)."""
     import torch
 
-    from boltstream.inference import kv_cache
+    from boltstream.inference import transformers_internals
 
     problem = _shape_problem(model)
     if problem is not None:
@@ -328,7 +328,7 @@ def probe(model: Any) -> str | None:
     try:
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-            buf = KVBuffer.from_layers(kv_cache.layers_of(out.past_key_values))
+            buf = KVBuffer.from_layers(transformers_internals.layers_of(out.past_key_values))
             ref = model(input_ids=nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1,
                         past_key_values=out.past_key_values, use_cache=True).logits[:, -1].float()
             got = LlamaStep(model)(nxt[:, 0], pos[:, -1:] + 1, mask2, buf)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from boltstream.inference import kv_cache
+from boltstream.inference import transformers_internals
 from boltstream.inference.decoding import DecodeState, Row, decode_cache
 from boltstream.inference.radix_tree import PrefixTree
 
@@ -83,7 +83,7 @@ class PrefixCache:
             flat = [torch.cat([p[i][:, :k] for p, k in path], dim=1).unsqueeze(0) for i in range(len(path[0][0]))]
         return m, list(zip(flat[0::2], flat[1::2], strict=True))
 
-    def insert_row(self, namespace: Hashable, tokens: Sequence[int], layers: kv_cache.KV, row: int,
+    def insert_row(self, namespace: Hashable, tokens: Sequence[int], layers: transformers_internals.KV, row: int,
                    valid: Callable[[], bool]) -> None:
         """Store ``tokens`` whose KV is the last ``len(tokens)`` positions of batch row ``row`` of ``layers``
         (left padding before them); only the part not stored yet is copied."""
@@ -130,15 +130,15 @@ def prefill_blocks(model: Any, rows: list[Row], blocks: list[Block], device: Any
     for block in blocks:
         out = model(input_ids=block.ids.to(device), attention_mask=block.mask.to(device),
                     position_ids=block.positions.to(device),
-                    past_key_values=kv_cache.make_cache(block.past) if block.past else None, use_cache=True,
+                    past_key_values=transformers_internals.make_cache(block.past) if block.past else None, use_cache=True,
                     logits_to_keep=1)
-        record(block, kv_cache.layers_of(out.past_key_values), out.logits[:, -1, :].float(), cache, namespace,
+        record(block, transformers_internals.layers_of(out.past_key_values), out.logits[:, -1, :].float(), cache, namespace,
                valid, done)
     return assemble(model, rows, done, device)
 
 
 Found = tuple[Any, int, Any]  # (request, tokens found in the cache, their KV or None)
-Done = dict[bytes, tuple[kv_cache.KV, Any]]  # prompt -> (its KV, its next-token logits)
+Done = dict[bytes, tuple[transformers_internals.KV, Any]]  # prompt -> (its KV, its next-token logits)
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Block:
     ids: Any  # [G, S] token ids, 0 where padded
     mask: Any  # [G, P + S] 1 = a real token
     positions: Any  # [G, S]
-    past: kv_cache.KV | None  # [G, kv_heads, P, head_dim] per layer, or None when P = 0
+    past: transformers_internals.KV | None  # [G, kv_heads, P, head_dim] per layer, or None when P = 0
 
 
 def plan(rows: list[Row], cache: PrefixCache, namespace: Hashable, valid: Callable[[], bool]) -> list[Block]:
@@ -167,7 +167,7 @@ def plan(rows: list[Row], cache: PrefixCache, namespace: Hashable, valid: Callab
     return [_block(group) for group in _groups(found)]
 
 
-def record(block: Block, layers: kv_cache.KV, logits: Any, cache: PrefixCache, namespace: Hashable,
+def record(block: Block, layers: transformers_internals.KV, logits: Any, cache: PrefixCache, namespace: Hashable,
            valid: Callable[[], bool], done: Done) -> None:
     """Store what ``block``'s forward computed (``layers``: ``[G, kv_heads, P + S, head_dim]``, ``logits``:
     ``[G, vocab]``) in ``cache`` and ``done``, per request."""

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from boltstream.inference import decoding, kv_cache, prefix_cache
+from boltstream.inference import decoding, prefix_cache, transformers_internals
 from boltstream.inference.backend import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -125,7 +125,7 @@ class TransformersBackend(WeightSwapping):
         self._loop: asyncio.AbstractEventLoop | None = None
         # KV of prompt prefixes, per policy key (inference/prefix_cache.py); 0 bytes: off
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
-        self._kv_reusable = kv_cache.reusable(model.config)  # not sliding-window or static caches
+        self._kv_reusable = transformers_internals.reusable(model.config)  # not sliding-window or static caches
         import torch
 
         # torch threads of the generation thread (inference/cpu_share.py); threads > 0 pins them

@@ -224,8 +224,10 @@ def micro_batches(samples: Sequence[Sample], max_tokens: int, pad_token_id: int 
     return [collate(g, pad_token_id) for g in split_by_token_budget(samples, max_tokens)]
 
 
-def step_normaliser(batches: Sequence[Batch], loss_agg: str) -> float:
-    """The loss denominator of a whole optimizer step (tokens or sequences, per mode),
-    to be passed to every micro-batch's loss so the accumulated gradient equals the
-    single-batch gradient."""
-    return float(sum(float(loss_normaliser(b.loss_mask, loss_agg)) for b in batches))
+def step_normaliser(samples: Sequence[Sample], loss_agg: str) -> float:
+    """The loss denominator of a whole optimizer step (tokens or sequences, per mode), to be
+    passed to every micro-batch's loss so the accumulated gradient equals the single-batch
+    gradient. Additive over sequences, so summed per sample (the mask shifted by one, as
+    :func:`collate` shifts it) without collating anything."""
+    return float(sum(float(loss_normaliser(torch.as_tensor(s["loss_mask"][1:], dtype=torch.bool).reshape(1, -1),
+                                           loss_agg)) for s in samples))

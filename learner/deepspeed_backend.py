@@ -34,8 +34,8 @@ import torch.distributed as dist
 from boltstream.errors import BoltstreamError
 from boltstream.processes import free_port
 
+from .collate import step_normaliser
 from .config import LearnerConfig
-from .losses import loss_normaliser
 from .model_setup import (
     RNG_FILE,
     adamw,
@@ -48,8 +48,8 @@ from .model_setup import (
     write_backend,
 )
 from .model_setup import save_weights as save_hf_weights
-from .step import StepMetrics, accumulate_gradients, plan_micro_batches, runs_tree, set_lr
-from .tree_forward import resolve_prefix_tree
+from .step import StepMetrics, accumulate_gradients, micro_batches, set_lr
+from .step_plan import plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +100,6 @@ def init_distributed(cfg: LearnerConfig) -> None:
                             timeout=timedelta(seconds=cfg.dist_timeout_s))
     logger.info("rank %d of %d joined %s group at %s:%s", rank, world, backend, os.environ["MASTER_ADDR"],
                 os.environ["MASTER_PORT"])
-
-
-def _normaliser(samples: list[dict[str, Any]], loss_agg: str) -> float:
-    """Loss denominator of ``samples``: :func:`~.losses.loss_normaliser` of their collated masks.
-
-    The normaliser is additive over sequences, so it is summed per sample (the mask shifted
-    by one, as :func:`~.collate.collate` shifts it) without padding a batch first.
-    """
-    return float(sum(float(loss_normaliser(torch.as_tensor(s["loss_mask"][1:], dtype=torch.bool).reshape(1, -1),
-                                           loss_agg)) for s in samples))
 
 
 def merge_metrics(parts: list[dict[str, Any]], scales: list[float], samples: list[dict[str, Any]],
@@ -170,7 +160,8 @@ class DeepSpeedTrainer:
                                         load_optimizer_states=True, load_lr_scheduler_states=False)
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
         dist.barrier()  # every rank has read the resume files before rank 0 deletes them
-        self.step_cfg = resolve_prefix_tree(self.model, cfg.step_config(pad_token_id(self.tokenizer)))
+        self.plan = plan_step(self.model, cfg.step_config(pad_token_id(self.tokenizer)), ref_model=self.ref_model,
+                              custom_backward=True)
         logger.info("DeepSpeed ZeRO-%d ready on rank %d of %d", cfg.zero_stage, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ rank 0's commands
@@ -205,13 +196,13 @@ class DeepSpeedTrainer:
         self.engine.train()
         ordered = sorted(samples, key=lambda s: -len(s["token_ids"]))
         mine = ordered[self.rank :: self.world_size]
-        local = _normaliser(mine, self.step_cfg.loss_agg)
+        local = step_normaliser(mine, self.plan.cfg.loss_agg)
         totals = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(totals)
         total = max(float(totals[0]), 1.0)
         scale = self.world_size * max(local, 1.0) / total  # the step clamps each normaliser at 1 too
         if mine:
-            count = len(plan_micro_batches(mine, self.step_cfg, runs_tree(self.engine.module, self.step_cfg)))
+            count = len(micro_batches(self.plan, mine)[1])
             calls = [0]
 
             def backward(loss: torch.Tensor) -> None:
@@ -219,7 +210,7 @@ class DeepSpeedTrainer:
                 calls[0] += 1
                 self.engine.backward(loss * scale, scale_wrt_gas=False)
 
-            part = accumulate_gradients(self.engine.module, mine, self.step_cfg, ref_model=self.ref_model,
+            part = accumulate_gradients(self.engine.module, mine, self.plan, ref_model=self.ref_model,
                                         backward_fn=backward).to_dict()
         else:  # fewer samples than ranks: a zero gradient keeps the collectives in step
             zero = sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0

@@ -137,6 +137,7 @@ async def _train(cfg: LearnerConfig, workdir: Path, stop: asyncio.Event, say: Ca
         run.sink = MetricsSink(cfg.metrics_path, cfg.metrics_port, cfg.metrics_host, model_name=cfg.name,
                                trackers=trackers)
         trackers.log_params(cfg.to_dict())
+        run.sink.plan(trainer.plan)
         await producer.start()
         if offline is None:
             await source.start()

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.metrics_server import MetricsServer
+from boltstream.status import STEP_MODE_SERIES
 from boltstream.tracking import Trackers
 
 from .groups import StepInput
 from .memory import peak_rss_mb
 from .step import StepMetrics
+from .step_plan import StepPlan
 from .timeline import format_timeline
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,16 @@ class MetricsSink:
         self._checkpoints = Counter("boltstream_learner_checkpoints", "checkpoints published", label, registry=r)
         self._staleness = Histogram("boltstream_learner_sample_staleness", "policy versions behind, per sample",
                                     label, buckets=STALENESS_BUCKETS, registry=r)
+        self._paths = Gauge(STEP_MODE_SERIES, "the step's paths the config asks for: 1 taken, 0 fallen back to a "
+                            "slower one (reason says why)", ["model", "path", "reason"], registry=r)
+
+    def plan(self, plan: StepPlan) -> None:
+        """The trainer's step plan: one gauge per path the config asks for, and a ``plan`` line."""
+        paths = plan.paths()
+        for path, reason in paths.items():
+            self._paths.labels(self.model_name, path, reason).set(0 if reason else 1)
+        self.write({"event": "plan", "time": time.time(), "mode": plan.mode,
+                    "fallbacks": {p: r for p, r in paths.items() if r}})
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one JSON line and flush it to the OS (survives a SIGKILL of this process)."""

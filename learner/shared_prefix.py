@@ -28,7 +28,7 @@ its keys and values. The gradient is exact (the loss depends on ``P``'s tokens o
 keys and values, and a chunk on the earlier chunks only through theirs), so the update equals the
 flat step's up to rounding.
 
-Every use of transformers' cache internals goes through :mod:`boltstream.inference.kv_cache`
+Every use of transformers' cache internals goes through :mod:`boltstream.inference.transformers_internals`
 (it states what it relies on, and checks it on a real model, gradients included).
 """
 
@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 
-from boltstream.inference import kv_cache
+from boltstream.inference import transformers_internals
 
-from .config import StepConfig
 from .token_trie import build_tree
 from .tree_forward import causal_model, probe_against_plain, probe_tokens, tree_inputs, tree_problem
 
@@ -66,7 +65,7 @@ def shared_prefix_problem(model: torch.nn.Module) -> str | None:
         return problem
     if prefix_decoder(model) is None:
         return f"{type(causal_model(model)).__name__} has no separate decoder to run the prefix on"
-    if not kv_cache.reusable(causal_model(model).config):
+    if not transformers_internals.reusable(causal_model(model).config):
         return "the model's KV cache is not a plain growing one (sliding-window or static layers)"
     return None
 
@@ -85,7 +84,7 @@ class SharedPrefix:
     gradient) and what recomputing its chunks with gradient needs."""
 
     length: int
-    leaves: kv_cache.KV
+    leaves: transformers_internals.KV
     model: torch.nn.Module
     token_ids: torch.Tensor  # [P] long, on the model's device
     chunks: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor | None]]]  # (start, end, RNG state)
@@ -114,14 +113,14 @@ class SharedPrefix:
                 end = min(start + size, ids.shape[0])
                 chunks.append((start, end, _rng_state(device)))
                 cache = _chunk_forward(decoder, ids, start, end, cache)
-        layers = kv_cache.layers_of(cache)
+        layers = transformers_internals.layers_of(cache)
         leaves = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)) for k, v in layers]
         kept = [t for layer in layers for t in layer] if keep else []
         return cls(length=int(ids.shape[0]), leaves=leaves, model=model, token_ids=ids, chunks=chunks, kept=kept)
 
     def cache(self) -> Any:
         """A fresh cache over the leaves for one forward (the forward appends the trie's own keys)."""
-        return kv_cache.make_cache(self.leaves)
+        return transformers_internals.make_cache(self.leaves)
 
     def backward(self) -> None:
         """Push the gradient the micro-batches left in the leaves through ``P``'s forward into the
@@ -142,14 +141,14 @@ class SharedPrefix:
                      for leaf in self.leaves for g in (leaf[0].grad, leaf[1].grad)]
             if all(g is None for g in grads):
                 continue
-            past = kv_cache.make_cache([(k[..., :start, :], v[..., :start, :]) for k, v in self.leaves]) \
+            past = transformers_internals.make_cache([(k[..., :start, :], v[..., :start, :]) for k, v in self.leaves]) \
                 if start else None
             with torch.random.fork_rng(devices=_device_rng(device)):
                 torch.set_rng_state(cpu_state)
                 if cuda_state is not None:
                     torch.cuda.set_rng_state(cuda_state, device)
                 cache = _chunk_forward(decoder, self.token_ids, start, end, past)
-            outputs = [t[..., start:end, :] for layer in kv_cache.layers_of(cache) for t in layer]
+            outputs = [t[..., start:end, :] for layer in transformers_internals.layers_of(cache) for t in layer]
             pairs = [(t, g) for t, g in zip(outputs, grads, strict=True) if g is not None and t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
@@ -188,16 +187,3 @@ def probe_shared_prefix(model: torch.nn.Module) -> str | None:
 
     return probe_against_plain(model, from_prefix, int(tree.node_index[1][0]), [a, c],
                                "a forward from a shared prefix's cached keys/values")
-
-
-def resolve_shared_prefix(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
-    """``cfg`` as ``model`` can run it: ``shared_prefix_min_tokens`` 0 (logged once, with the reason)
-    when :func:`probe_shared_prefix` finds a problem. Called once when a trainer is built, after
-    :func:`.tree_forward.resolve_prefix_tree`."""
-    if not cfg.prefix_tree or not cfg.shared_prefix_min_tokens:
-        return cfg
-    problem = probe_shared_prefix(model)
-    if problem is None:
-        return cfg
-    logger.warning("shared-prefix reuse off, each micro-batch computes the shared prefix: %s", problem)
-    return dataclasses.replace(cfg, shared_prefix_min_tokens=0)

@@ -42,9 +42,10 @@ from .losses import (
     row_temperatures,
     token_logprobs,
 )
-from .shared_prefix import SharedPrefix, prefixed_inputs, shared_prefix_problem
+from .shared_prefix import SharedPrefix, prefixed_inputs
+from .step_plan import StepPlan, lm_head_parts, plan_step
 from .token_trie import PrefixTree, build_tree, pack_by_unique_tokens, shared_prefix_length
-from .tree_forward import label_nodes, tree_inputs, tree_problem
+from .tree_forward import label_nodes, tree_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -82,23 +83,6 @@ class StepMetrics:
 # --------------------------------------------------------------------------- log-probs
 
 
-def _lm_head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """(decoder, lm_head) when the fused path computes exactly the model's logits, else None."""
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    if not (hasattr(causal, "get_output_embeddings") and hasattr(causal, "get_decoder")):
-        return None
-    head = causal.get_output_embeddings()
-    decoder = causal.get_decoder()
-    if type(head) is not torch.nn.Linear or decoder is None or decoder is causal:
-        return None
-    config = getattr(causal, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
-        value = getattr(config, attr, None)
-        if value is not None and value != 1:
-            return None
-    return decoder, head
-
-
 def sequence_logprobs(
     model: torch.nn.Module,
     batch: Batch,
@@ -106,6 +90,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     tree: PrefixTree | None = None,
     prefix: SharedPrefix | None = None,
+    fused_head: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Model log-probs of ``batch.labels`` at trained positions, ``[B, T-1]`` float32
     (0 elsewhere), plus per-token entropy (metric) if asked. Differentiable. Each row is
@@ -115,7 +100,8 @@ def sequence_logprobs(
     the trie's nodes instead of the padded rows, and each trained position takes the hidden state
     of its sample's node; the head, temperatures and outputs are the flat path's. With ``prefix``
     the trie holds the samples' tokens after that shared prefix and attends to its cached keys and
-    values."""
+    values. ``fused_head`` (default ``cfg.fused_head``; a :class:`StepPlan` says whether the model
+    has such a head) runs the decoder and the LM head apart, the head at trained positions only."""
     sel = batch.loss_mask
     labels = batch.labels[sel]
     temperatures = batch.temperatures.unsqueeze(1).expand(sel.shape)[sel]
@@ -132,19 +118,13 @@ def sequence_logprobs(
 
         def trained(states: torch.Tensor) -> torch.Tensor:
             return states[0][nodes]
-    parts = _lm_head_parts(model) if cfg.fused_head else None
+    parts = lm_head_parts(model) if (cfg.fused_head if fused_head is None else fused_head) else None
     if parts is not None:
         decoder, head = parts
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
-        lp, ent = linear_token_logprobs(
-            trained(hidden),
-            head.weight,
-            labels,
-            bias=head.bias,
-            chunk_size=cfg.logprob_chunk_size,
-            temperature=temperatures,
-            with_entropy=with_entropy,
-        )
+        lp, ent = linear_token_logprobs(trained(hidden), head.weight, labels, bias=head.bias,
+                                        chunk_size=cfg.logprob_chunk_size, temperature=temperatures,
+                                        with_entropy=with_entropy)
     else:
         logits = model(**inputs, use_cache=False).logits
         picked = trained(logits)
@@ -158,44 +138,21 @@ def sequence_logprobs(
 
 
 @torch.no_grad()
-def _reference_logprobs(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    batch: Batch,
-    cfg: StepConfig,
-    tree: PrefixTree | None = None,
-    prefix: SharedPrefix | None = None,
-) -> torch.Tensor | None:
-    """Frozen-reference log-probs: ``ref_model`` if given, else the peft model with its
-    adapters disabled (the base model *is* the reference for LoRA: no second copy). ``prefix`` is
-    the reference's own shared prefix (:func:`_reference_prefix`), used with ``tree``."""
-    if ref_model is not None:
-        if tree_problem(ref_model) is not None:
-            return sequence_logprobs(ref_model, batch, cfg)[0]
-        return sequence_logprobs(ref_model, batch, cfg, tree=tree, prefix=prefix)[0]
-    if not needs_reference(ref_model, cfg):
+def _reference_logprobs(model: torch.nn.Module, ref_model: torch.nn.Module | None, plan: StepPlan, batch: Batch,
+                        tree: PrefixTree | None, prefix: SharedPrefix | None) -> torch.Tensor | None:
+    """Frozen-reference log-probs (None when the plan has no reference): ``ref_model``, or the peft
+    model with its adapters disabled (the base model *is* the reference for LoRA: no second copy).
+    ``tree`` and ``prefix`` (the reference's own, :func:`_shared_prefixes`) only where the plan
+    says the reference takes them."""
+    if plan.reference == "none":
         return None
-    if not hasattr(model, "disable_adapter"):
-        raise ValueError("kl_coef > 0 needs a ref_model (or a peft model, whose base is the reference)")
-    with model.disable_adapter():
-        return sequence_logprobs(model, batch, cfg, tree=tree, prefix=prefix)[0]
-
-
-def needs_reference(ref_model: torch.nn.Module | None, cfg: StepConfig) -> bool:
-    return ref_model is not None or cfg.kl_coef != 0.0
-
-
-@torch.no_grad()
-def _reference_prefix(model: torch.nn.Module, ref_model: torch.nn.Module | None, token_ids: torch.Tensor,
-                      chunk_size: int) -> SharedPrefix | None:
-    """The shared prefix's keys/values under the reference policy (no gradient); None when a
-    separate reference model cannot continue from them (it then scores the samples flat)."""
+    if not plan.reference_tree:
+        tree = prefix = None
     if ref_model is not None:
-        if shared_prefix_problem(ref_model) is not None:
-            return None
-        return SharedPrefix.run(ref_model, token_ids, chunk_size)
+        return sequence_logprobs(ref_model, batch, plan.cfg, tree=tree, prefix=prefix,
+                                 fused_head=plan.reference_fused_head)[0]
     with model.disable_adapter():
-        return SharedPrefix.run(model, token_ids, chunk_size)
+        return sequence_logprobs(model, batch, plan.cfg, tree=tree, prefix=prefix, fused_head=plan.fused_head)[0]
 
 
 # --------------------------------------------------------------------------- the step
@@ -205,57 +162,66 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-_logged_fallbacks: set[str] = set()
-
-
-def runs_tree(model: torch.nn.Module, cfg: StepConfig) -> bool:
-    """Whether steps of ``model`` under ``cfg`` run prefix trees: asked for, and the model's attention
-    takes a 4-D mask (:func:`.tree_forward.tree_problem`; the reason it does not is logged once)."""
-    if not cfg.prefix_tree:
-        return False
-    problem = tree_problem(model)
-    if problem is not None and problem not in _logged_fallbacks:
-        _logged_fallbacks.add(problem)
-        logger.warning("prefix-tree training off, the step runs flat: %s", problem)
-    return problem is None
-
-
-def plan_micro_batches(samples: Sequence[Sample], cfg: StepConfig, tree: bool, prefix_length: int = 0
-                       ) -> list[list[Sample]]:
-    """The step's micro-batches: tries packed by unique tokens and mask size (``tree``; with
-    ``prefix_length``, tries of the tokens after a shared prefix), else rows packed by rows x padded
-    length. One function, so a backend that must know the count in advance (DeepSpeed's
+def micro_batches(plan: StepPlan, samples: Sequence[Sample]) -> tuple[int, list[list[Sample]]]:
+    """The step's shared prefix length (0: none) and micro-batches: tries packed by unique tokens
+    and mask size (with a shared prefix, tries of the tokens after it), else rows packed by rows x
+    padded length. One function, so a backend that must know the count in advance (DeepSpeed's
     accumulation boundary) gets the step's own."""
-    if tree:
-        return pack_by_unique_tokens(samples, cfg.max_tokens_per_micro_batch, cfg.max_tree_mask_elements,
-                                     prefix_length)
-    return split_by_token_budget(samples, cfg.max_tokens_per_micro_batch)
+    cfg = plan.cfg
+    if not plan.tree:
+        return 0, split_by_token_budget(samples, cfg.max_tokens_per_micro_batch)
+    budget, mask = cfg.max_tokens_per_micro_batch, cfg.max_tree_mask_elements
+    groups = pack_by_unique_tokens(samples, budget, mask)
+    # One trie computes the shared prefix once already; only a step split over micro-batches gains.
+    length = shared_prefix_length(samples, cfg.shared_prefix_min_tokens) if plan.shared_prefix and len(groups) > 1 \
+        else 0
+    return length, (pack_by_unique_tokens(samples, budget, mask, length) if length else groups)
 
 
-def step_prefix_length(model: torch.nn.Module, samples: Sequence[Sample], cfg: StepConfig,
-                       custom_backward: bool) -> int:
-    """Length of the prefix this step runs once (:mod:`.shared_prefix`), 0 for none: the samples'
-    :func:`.token_trie.shared_prefix_length`, when the model can continue from cached keys/values
-    and the backward is autograd's own (a custom one, DeepSpeed's, scales and reduces per
-    micro-batch: the prefix is then computed in each micro-batch, logged once)."""
-    length = shared_prefix_length(samples, cfg.shared_prefix_min_tokens)
+@torch.no_grad()
+def _reference_prefix(model: torch.nn.Module, ref_model: torch.nn.Module | None, token_ids: torch.Tensor,
+                      chunk_size: int) -> SharedPrefix:
+    """The shared prefix's keys/values under the reference policy (no gradient)."""
+    if ref_model is not None:
+        return SharedPrefix.run(ref_model, token_ids, chunk_size)
+    with model.disable_adapter():
+        return SharedPrefix.run(model, token_ids, chunk_size)
+
+
+def _shared_prefixes(model: torch.nn.Module, ref_model: torch.nn.Module | None, plan: StepPlan,
+                     sample: Sample, length: int) -> tuple[SharedPrefix | None, SharedPrefix | None]:
+    """The policy's and the reference's run of the step's shared prefix (the first ``length`` tokens of
+    ``sample``; none when 0)."""
     if not length:
-        return 0
-    problem = shared_prefix_problem(model)
-    if problem is None and custom_backward:
-        problem = "a custom backward (DeepSpeed) runs each micro-batch's backward itself"
-    if problem is not None:
-        if problem not in _logged_fallbacks:
-            _logged_fallbacks.add(problem)
-            logger.warning("shared-prefix reuse off, each micro-batch computes the shared prefix: %s", problem)
-        return 0
-    return length
+        return None, None
+    ids = as_tensor(sample["token_ids"], torch.long)[:length].long()
+    budget = plan.cfg.max_tokens_per_micro_batch
+    prefix = SharedPrefix.run(model, ids, budget, plan.cfg.shared_prefix_keep_tokens)
+    with_ref = plan.reference != "none" and plan.reference_tree
+    return prefix, (_reference_prefix(model, ref_model, ids, budget) if with_ref else None)
+
+
+def _micro_batch_loss(model: torch.nn.Module, ref_model: torch.nn.Module | None, plan: StepPlan, batch: Batch,
+                      trie: PrefixTree | None, prefixes: tuple[SharedPrefix | None, SharedPrefix | None],
+                      normaliser: float) -> tuple[torch.Tensor, LossMetrics, torch.Tensor | None]:
+    """One micro-batch's share of the step's loss (divided by the step's ``normaliser``)."""
+    cfg = plan.cfg
+    ref = _reference_logprobs(model, ref_model, plan, batch, trie, prefixes[1])
+    logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy, tree=trie,
+                                          prefix=prefixes[0], fused_head=plan.fused_head)
+    loss, metrics = ppo_clip_loss(
+        logprobs, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        proximal_logprobs=logprobs.detach() if cfg.decoupled else None, is_cap=cfg.is_cap,
+        ref_logprobs=ref, kl_coef=cfg.kl_coef, weights=batch.weights, loss_agg=cfg.loss_agg, normaliser=normaliser,
+    )
+    return loss, metrics, entropy
 
 
 def accumulate_gradients(
     model: torch.nn.Module,
     samples: Sequence[Sample],
-    cfg: StepConfig,
+    plan: StepPlan | StepConfig,
     *,
     ref_model: torch.nn.Module | None = None,
     backward: bool = True,
@@ -264,85 +230,52 @@ def accumulate_gradients(
     """Forward (+ backward) every micro-batch, adding into ``.grad``; no optimizer step.
 
     Each micro-batch loss is divided by the *step's* normaliser, so the gradients summed
-    here equal those of one batch holding all samples. Does not zero gradients.
-    ``backward_fn`` replaces ``loss.backward()`` (e.g. a DeepSpeed engine's ``backward``;
+    here equal those of one batch holding all samples. Does not zero gradients. ``plan`` is
+    the trainer's (:func:`.step_plan.plan_step`); a bare :class:`StepConfig` is planned for this
+    call. ``backward_fn`` replaces ``loss.backward()`` (e.g. a DeepSpeed engine's ``backward``;
     mind that engine's own gradient-accumulation scaling). With ``cfg.skip_zero_advantage``
     the samples that cannot move the weights (:func:`contributes`) are not run; never with a
     ``backward_fn``, whose ranks must all run their collectives.
     """
     if not samples:
         raise ValueError("a step needs at least one sample")
-    t0 = time.perf_counter()
-    device = _device(model)
-    tree = runs_tree(model, cfg)
-    groups = plan_micro_batches(samples, cfg, tree)
-    batches = [collate(g, cfg.pad_token_id) for g in groups]
-    normaliser = step_normaliser(batches, cfg.loss_agg)  # over every sample: the update's scale is theirs
+    if isinstance(plan, StepConfig):
+        plan = plan_step(model, plan, ref_model=ref_model, custom_backward=backward_fn is not None)
+    t0, cfg, device = time.perf_counter(), plan.cfg, _device(model)
+    normaliser = step_normaliser(samples, cfg.loss_agg)  # over every sample: the update's scale is theirs
     trained = samples
     if cfg.skip_zero_advantage and backward and backward_fn is None:
         trained = [s for s in samples if contributes(s, cfg)] or list(samples[:1])
-    planned = groups
-    if len(trained) < len(samples):
-        groups = plan_micro_batches(trained, cfg, tree)
-    # One trie computes the shared prefix once already; only a step split over micro-batches gains.
-    prefix_length = step_prefix_length(model, trained, cfg, backward_fn is not None) if tree and len(groups) > 1 else 0
-    if prefix_length:
-        groups = plan_micro_batches(trained, cfg, tree, prefix_length)
-    if groups is not planned:
-        batches = [collate(g, cfg.pad_token_id) for g in groups]
-    trees = [build_tree([as_tensor(s["token_ids"], torch.long)[prefix_length:] for s in g]) if tree else None
+    prefix_length, groups = micro_batches(plan, trained)
+    batches = [collate(g, cfg.pad_token_id) for g in groups]
+    trees = [build_tree([as_tensor(s["token_ids"], torch.long)[prefix_length:] for s in g]) if plan.tree else None
              for g in groups]
-    total_loss = 0.0
-    metrics: LossMetrics | None = None
-    entropy_sum = 0.0
-    grad_ctx = contextlib.nullcontext() if backward else torch.no_grad()
-    with grad_ctx:
-        prefix = ref_prefix = None
-        if prefix_length:
-            prefix_ids = as_tensor(trained[0]["token_ids"], torch.long)[:prefix_length].long()
-            prefix = SharedPrefix.run(model, prefix_ids, cfg.max_tokens_per_micro_batch,
-                                      cfg.shared_prefix_keep_tokens)
-            if needs_reference(ref_model, cfg):
-                ref_prefix = _reference_prefix(model, ref_model, prefix_ids, cfg.max_tokens_per_micro_batch)
+    total_loss, entropy_sum, metrics = 0.0, 0.0, None
+    with contextlib.nullcontext() if backward else torch.no_grad():
+        prefixes = _shared_prefixes(model, ref_model, plan, trained[0], prefix_length)
         for batch, trie in zip(batches, trees, strict=True):
-            batch = batch.to(device)
-            ref_tree = trie if not prefix_length or ref_prefix is not None else None  # a trie after P needs P
-            ref = _reference_logprobs(model, ref_model, batch, cfg, ref_tree, ref_prefix)
-            logprobs, entropy = sequence_logprobs(model, batch, cfg, with_entropy=cfg.compute_entropy, tree=trie,
-                                                  prefix=prefix)
-            loss, m = ppo_clip_loss(
-                logprobs,
-                batch.behaviour_logprobs,
-                batch.advantages,
-                batch.loss_mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                dual_clip=cfg.dual_clip,
-                proximal_logprobs=logprobs.detach() if cfg.decoupled else None,
-                is_cap=cfg.is_cap,
-                ref_logprobs=ref,
-                kl_coef=cfg.kl_coef,
-                weights=batch.weights,
-                loss_agg=cfg.loss_agg,
-                normaliser=normaliser,
-            )
+            loss, m, entropy = _micro_batch_loss(model, ref_model, plan, batch.to(device), trie, prefixes, normaliser)
             if backward:
                 (backward_fn or torch.Tensor.backward)(loss)
             total_loss += float(loss.detach())
             metrics = m if metrics is None else metrics.merge(m)
-            if entropy is not None:
-                entropy_sum += float(entropy.sum())
-        if prefix is not None and backward:
-            prefix.backward()
+            entropy_sum += float(entropy.sum()) if entropy is not None else 0.0
+        if prefixes[0] is not None and backward:
+            prefixes[0].backward()
     assert metrics is not None
-    adv = torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float64)
-    input_tokens = sum(b.num_input_tokens for b in batches)
     unique_tokens = prefix_length + sum(t.unique_tokens if t is not None else b.num_input_tokens
                                         for b, t in zip(batches, trees, strict=True))
-    seconds = time.perf_counter() - t0
+    return _step_metrics(samples, metrics, total_loss, entropy_sum, batches, time.perf_counter() - t0,
+                         skipped=len(samples) - len(trained), unique_tokens=unique_tokens)
+
+
+def _step_metrics(samples: Sequence[Sample], metrics: LossMetrics, loss: float, entropy_sum: float,
+                  batches: Sequence[Batch], seconds: float, *, skipped: int, unique_tokens: int) -> StepMetrics:
+    adv = torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float64)
+    input_tokens = sum(b.num_input_tokens for b in batches)
     tokens = float(metrics.tokens)
     return StepMetrics(
-        loss=total_loss,
+        loss=loss,
         clip_fraction=metrics.clip_fraction,
         approx_kl=metrics.approx_kl,
         ref_kl=metrics.ref_kl,
@@ -360,7 +293,7 @@ def accumulate_gradients(
         micro_batches=len(batches),
         seconds=seconds,
         tokens_per_s=input_tokens / seconds if seconds > 0 else 0.0,
-        zero_advantage_skipped=len(samples) - len(trained),
+        zero_advantage_skipped=skipped,
         unique_tokens=unique_tokens,
     )
 
@@ -398,7 +331,7 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     samples: Sequence[Sample],
-    cfg: StepConfig | None = None,
+    plan: StepPlan | StepConfig | None = None,
     *,
     ref_model: torch.nn.Module | None = None,
 ) -> StepMetrics:
@@ -409,11 +342,12 @@ def train_step(
     than poisoning the weights. Puts the model in train mode. LR schedulers are the
     caller's business (call ``scheduler.step()`` after this).
     """
-    cfg = cfg or StepConfig()
+    plan = plan or StepConfig()
+    cfg = plan.cfg if isinstance(plan, StepPlan) else plan
     t0 = time.perf_counter()
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    metrics = accumulate_gradients(model, samples, cfg, ref_model=ref_model)
+    metrics = accumulate_gradients(model, samples, plan, ref_model=ref_model)
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
@@ -433,13 +367,13 @@ def train_step(
 def evaluate_loss(
     model: torch.nn.Module,
     samples: Sequence[Sample],
-    cfg: StepConfig | None = None,
+    plan: StepPlan | StepConfig | None = None,
     *,
     ref_model: torch.nn.Module | None = None,
 ) -> StepMetrics:
     """The step's loss and metrics without gradients or an update (uses the current
     train/eval mode of ``model``)."""
-    return accumulate_gradients(model, samples, cfg or StepConfig(), ref_model=ref_model, backward=False)
+    return accumulate_gradients(model, samples, plan or StepConfig(), ref_model=ref_model, backward=False)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .config import LearnerConfig, StepConfig
+from .config import LearnerConfig
 from .deepspeed_backend import DeepSpeedTrainer
 from .model_setup import (
     OPTIMIZER_FILE,
@@ -29,9 +29,8 @@ from .model_setup import (
     set_rng_state,
     write_backend,
 )
-from .shared_prefix import resolve_shared_prefix
 from .step import StepMetrics, set_lr, train_step
-from .tree_forward import resolve_prefix_tree
+from .step_plan import StepPlan, plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +43,7 @@ class Trainer(Protocol):
     world_size: int
     model: torch.nn.Module  # the unwrapped (peft or HF) model
     tokenizer: Any
+    plan: StepPlan  # how every step runs (decided when the trainer was built)
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics: ...
     def save_weights(self, directory: Path, dtype: str | None = None) -> None: ...
@@ -76,13 +76,12 @@ class TorchTrainer:
             self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location=cfg.device,
                                                       weights_only=False))
             set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=False))
-        self.step_cfg: StepConfig = resolve_shared_prefix(
-            model, resolve_prefix_tree(model, cfg.step_config(pad_token_id(tokenizer))))
+        self.plan = plan_step(model, cfg.step_config(pad_token_id(tokenizer)), ref_model=self.ref_model)
 
     def step(self, samples: list[dict[str, Any]], lr: float | None = None) -> StepMetrics:
         if lr is not None:
             set_lr(self.optimizer, lr)
-        return train_step(self.model, self.optimizer, samples, self.step_cfg, ref_model=self.ref_model)
+        return train_step(self.model, self.optimizer, samples, self.plan, ref_model=self.ref_model)
 
     def save_weights(self, directory: Path, dtype: str | None = None) -> None:
         save_weights(self.model, self.tokenizer, directory, dtype)

@@ -6,12 +6,9 @@ tree mask as a 4-D ``[1, 1, N, N]`` tensor (after a step's shared prefix of ``P`
 :mod:`.shared_prefix`: positions ``P + depth`` and a ``[1, 1, N, P + N]`` mask that sees all of it). What it relies on in transformers (checked by
 :func:`probe_tree_support` on the real model, and by a unit test on the installed version):
 
-* ``masking_utils.create_causal_mask`` returns a 4-D ``attention_mask`` as it is given (no causal
-  mask is built, no padding mask merged); the model builds it once per forward and hands the same
-  tensor to every layer.
-* ``sdpa`` attention passes it to ``torch.nn.functional.scaled_dot_product_attention``, where a
-  bool mask means "may attend"; ``eager`` attention *adds* it to the scores, so it gets an
-  additive float mask (0 / the dtype's minimum) instead.
+* the mask items of :mod:`boltstream.inference.transformers_internals` (a 4-D ``attention_mask``
+  reaches every layer as given; ``sdpa`` takes it as bool "may attend", ``eager`` adds it to the
+  scores, so it gets an additive float mask, 0 / the dtype's minimum);
 * ``position_ids`` go to the rotary embedding as given.
 
 Other attention implementations (flash-attention-2 takes no dense mask; flex attention wants a
@@ -20,14 +17,14 @@ block mask) are not used: :func:`tree_problem` names why, and the step runs flat
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .config import StepConfig
+from boltstream.inference import transformers_internals
+
 from .token_trie import PrefixTree, build_tree
 
 logger = logging.getLogger(__name__)
@@ -42,8 +39,7 @@ def causal_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
-    config = getattr(causal_model(model), "config", None)
-    return getattr(config, "_attn_implementation", None)
+    return transformers_internals.attention_implementation(getattr(causal_model(model), "config", None))
 
 
 def tree_problem(model: torch.nn.Module) -> str | None:
@@ -158,16 +154,3 @@ def probe_against_plain(model: torch.nn.Module, tree_forward: Callable[[torch.de
     if diff > PROBE_TOLERANCE:
         return f"{what} differs from the plain one by {diff:.3g} (relative)"
     return None
-
-
-def resolve_prefix_tree(model: torch.nn.Module, cfg: StepConfig) -> StepConfig:
-    """``cfg`` as ``model`` can run it: with ``prefix_tree`` turned off (logged once, with the reason)
-    when :func:`probe_tree_support` finds a problem. Called once when a trainer is built."""
-    if not cfg.prefix_tree:
-        return cfg
-    problem = probe_tree_support(model)
-    if problem is None:
-        logger.info("prefix-tree training on (%s attention)", attention_implementation(model))
-        return cfg
-    logger.warning("prefix-tree training off, the step runs flat: %s", problem)
-    return dataclasses.replace(cfg, prefix_tree=False)

@@ -39,14 +39,13 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
 from boltstream.schemas import records
 
-from . import exporter_metrics
+from . import exporter_metrics, otel_internals
 from .normalise import SpanNormaliser
 from .propagation import install_rollout_propagator
 from .rollout_processor import install_rollout_processor
@@ -208,7 +207,7 @@ class KafkaSpanExporter(SpanExporter):
 
     def _thread_main(self, ready: threading.Event) -> None:
         # Our own Kafka traffic must never become spans (which would be exported, which is traffic...).
-        otel_context.attach(otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True))
+        otel_internals.suppress_instrumentation()
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:

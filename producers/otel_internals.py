@@ -19,12 +19,18 @@ The contract (opentelemetry-sdk / opentelemetry-api, as of the versions in :data
   two locks); with no room or no such dict it calls ``set_attributes``.
 * ``CompositePropagator`` (opentelemetry-api) keeps its members in ``_propagators``: the only way
   to see whether ours is already installed inside the global one (:func:`propagator_members`).
+* ``opentelemetry.context._SUPPRESS_INSTRUMENTATION_KEY`` set to true in the current context makes the
+  instrumentations (httpx, aiokafka, ...) record nothing: the exporter's own Kafka traffic must never
+  become spans (:func:`suppress_instrumentation`). The public helper of that name lives in
+  ``opentelemetry-instrumentation``, which an agent process need not have.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from opentelemetry import context
 
 # distribution -> versions this module's contract was checked against (read by the test).
 CHECKED_WITH: dict[str, tuple[str, ...]] = {
@@ -69,3 +75,9 @@ def set_start_attributes(span: Any, values: Mapping[str, str]) -> None:
 def propagator_members(propagator: Any) -> list[Any]:
     """``propagator`` and, when it is a composite, the propagators inside it."""
     return [propagator, *getattr(propagator, "_propagators", ())]
+
+
+def suppress_instrumentation() -> object:
+    """Mark the calling thread's context so that no instrumentation records a span in it (for the rest
+    of the thread); returns the token :func:`opentelemetry.context.detach` takes."""
+    return context.attach(context.set_value(context._SUPPRESS_INSTRUMENTATION_KEY, True))

@@ -28,7 +28,7 @@ def test_one_rank_tree_step_equals_the_flat_torch_step(tmp_path) -> None:
     flat_m = flat.step(samples)
     ds = DeepSpeedTrainer(dataclasses.replace(cfg, deepspeed=True))
     try:
-        assert ds.step_cfg.prefix_tree
+        assert ds.plan.tree
         tree_m = ds.step(samples)
     finally:
         ds.close()

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-from boltstream.inference import kv_cache
 from boltstream.inference.backend import Generation, SamplingParams
 from boltstream.inference.transformers_backend import TransformersBackend
 from boltstream.weights.models import save_model_dir, tiny_model_and_tokenizer
@@ -56,11 +55,6 @@ async def _both(prompts: list[list[int]], params: list[SamplingParams], rounds: 
         await cached.stop()
         await plain.stop()
     return cached, got, want
-
-
-def test_the_transformers_cache_internals_relied_on_are_there() -> None:
-    model, _ = tiny_model_and_tokenizer(0)
-    kv_cache.check_api(model)
 
 
 async def test_a_repeated_request_is_served_from_the_cache_with_the_same_samples() -> None:

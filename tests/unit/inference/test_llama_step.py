@@ -107,7 +107,7 @@ def test_a_block_prefilled_in_the_decode_pass_equals_its_own_forward() -> None:
     """Joiners of different lengths, one with a cached prefix (recomputing part of it) and one shorter than
     the block (left-padded): logits and KV as the model's own forward gives them, the running rows' step
     unchanged."""
-    from boltstream.inference import kv_cache, prefix_cache
+    from boltstream.inference import prefix_cache, transformers_internals
 
     model, _ = tiny_model_and_tokenizer(0)
     cache = prefix_cache.PrefixCache(64 << 20)
@@ -128,11 +128,11 @@ def test_a_block_prefilled_in_the_decode_pass_equals_its_own_forward() -> None:
         plain = running()
         decoding.advance(model, plain)
         out = model(input_ids=block.ids, attention_mask=block.mask, position_ids=block.positions,
-                    past_key_values=kv_cache.make_cache(block.past), use_cache=True, logits_to_keep=1)
+                    past_key_values=transformers_internals.make_cache(block.past), use_cache=True, logits_to_keep=1)
     torch.testing.assert_close(merged.logits, plain.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, out.logits[:, -1].float(), atol=1e-5, rtol=1e-5)
     real = block.mask.bool()  # padded positions hold whatever they computed: only real tokens' KV counts
-    for (k, v), (k2, v2) in zip(layers, kv_cache.layers_of(out.past_key_values), strict=True):
+    for (k, v), (k2, v2) in zip(layers, transformers_internals.layers_of(out.past_key_values), strict=True):
         torch.testing.assert_close(k.permute(0, 2, 1, 3)[real], k2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v.permute(0, 2, 1, 3)[real], v2.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-5)
 

@@ -137,21 +137,19 @@ def test_micro_batched_loss_sums_to_single_batch_loss(mode: str) -> None:
     whole = collate(samples)
     parts = micro_batches(samples, max_tokens=40)
     assert len(parts) > 3
-    norm = step_normaliser(parts, mode)
+    norm = step_normaliser(samples, mode)
     assert norm == float(loss_normaliser(whole.loss_mask, mode))
     total = sum(batch_loss(b, norm) for b in parts)
     assert float(total) == pytest.approx(float(batch_loss(whole)), abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_deepspeed_rank_normaliser_is_the_collated_one(mode: str) -> None:
-    """Each DeepSpeed rank sizes its loss scale from its raw samples: the same denominator as
+def test_the_step_normaliser_of_raw_samples_is_the_collated_one(mode: str) -> None:
+    """The step (and each DeepSpeed rank) sizes its loss from raw samples: the same denominator as
     the collated batch's mask, including a sample with nothing to train (hand count: token-mean
     3 + 0 + 1 = 4, sequence modes 2)."""
-    from boltstream.learner.deepspeed_backend import _normaliser
-
     samples = [_sample([1, 2, 3, 4], 1, [True, True, True, True], [0.0] * 4),
                _sample([1, 2, 3], 1, [True, False, False], [0.0] * 3),
                _sample([5, 6], 1, [False, True], [0.0, -0.1])]
-    assert _normaliser(samples, mode) == float(loss_normaliser(collate(samples).loss_mask, mode))
-    assert _normaliser(samples, mode) == (4.0 if mode == "token-mean" else 2.0)
+    assert step_normaliser(samples, mode) == float(loss_normaliser(collate(samples).loss_mask, mode))
+    assert step_normaliser(samples, mode) == (4.0 if mode == "token-mean" else 2.0)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from boltstream.inference import kv_cache
 from boltstream.learner.collate import collate
 from boltstream.learner.config import StepConfig
-from boltstream.learner.shared_prefix import SharedPrefix, probe_shared_prefix, resolve_shared_prefix
-from boltstream.learner.step import _logged_fallbacks, accumulate_gradients, sequence_logprobs, train_step
+from boltstream.learner.shared_prefix import SharedPrefix, probe_shared_prefix
+from boltstream.learner.step import accumulate_gradients, sequence_logprobs, train_step
+from boltstream.learner.step_plan import plan_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
 from boltstream.learner.token_trie import build_tree, shared_prefix_length
 
@@ -180,26 +180,22 @@ def test_a_separate_reference_model_scores_from_its_own_prefix() -> None:
 def test_a_custom_backward_computes_the_prefix_in_each_micro_batch(caplog: pytest.LogCaptureFixture) -> None:
     samples = shared_prefix_samples(VOCAB, seed=8)
     model = make_model("plain", "sdpa")
-    _logged_fallbacks.clear()
     with caplog.at_level(logging.WARNING):
-        m = accumulate_gradients(model, samples, ON, backward_fn=torch.Tensor.backward)
-        accumulate_gradients(model, samples, ON, backward_fn=torch.Tensor.backward)
+        plan = plan_step(model, ON, custom_backward=True)
+    assert plan.tree and not plan.shared_prefix and "custom backward" in plan.paths()["shared_prefix"]
+    assert caplog.text.count("custom backward") == 1
+    m = accumulate_gradients(model, samples, plan, backward_fn=torch.Tensor.backward)
     plain = accumulate_gradients(model, samples, dataclasses.replace(ON, shared_prefix_min_tokens=0), backward=False)
     assert m.unique_tokens == plain.unique_tokens
-    assert caplog.text.count("custom backward") == 1
 
 
-def test_the_probe_passes_on_a_real_model_and_resolution_keeps_the_config() -> None:
+def test_the_probe_passes_on_a_real_model_and_the_plan_takes_the_shared_prefix() -> None:
     for attention in ("sdpa", "eager"):
         model = make_model("lora", attention)
         assert probe_shared_prefix(model) is None
-        assert resolve_shared_prefix(model, ON) == ON
+        plan = plan_step(model, ON)
+        assert plan.shared_prefix and plan.mode == "tree+shared-prefix" and plan.cfg == ON and not plan.fallbacks
         assert model.training
-
-
-def test_transformers_cache_passes_gradients_to_leaf_keys_and_values() -> None:
-    """The cache internals the shared prefix relies on (boltstream.inference.kv_cache)."""
-    kv_cache.check_gradient_api(tiny_llama(VOCAB, seed=1))
 
 
 @pytest.mark.parametrize(("keep", "chunks"), [(9, [(0, 9)]), (8, [(0, 4), (4, 8), (8, 9), (8, 9), (4, 8), (0, 4)])])
@@ -214,7 +210,8 @@ def test_a_short_prefix_keeps_its_graph_and_runs_once(monkeypatch: pytest.Monkey
     monkeypatch.setattr(shared_prefix, "_chunk_forward", lambda decoder, ids, start, end, cache: calls.append(
         (start, end, torch.is_grad_enabled())) or real(decoder, ids, start, end, cache))
     model = make_model("lora", "sdpa")
-    accumulate_gradients(model, shared_prefix_samples(VOCAB, seed=2), dataclasses.replace(
-        ON, shared_prefix_keep_tokens=keep, max_tokens_per_micro_batch=4))
+    plan = plan_step(model, dataclasses.replace(ON, shared_prefix_keep_tokens=keep, max_tokens_per_micro_batch=4))
+    calls.clear()  # the plan's probe ran a prefix of its own
+    accumulate_gradients(model, shared_prefix_samples(VOCAB, seed=2), plan)
     assert [(start, end) for start, end, _ in calls] == chunks
     assert calls[0][2] == (keep == SYSTEM)  # kept: the forward ran with gradient

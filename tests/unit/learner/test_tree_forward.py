@@ -12,10 +12,11 @@ from peft import LoraConfig, get_peft_model
 
 from boltstream.learner.collate import collate
 from boltstream.learner.config import StepConfig
-from boltstream.learner.step import accumulate_gradients, runs_tree, sequence_logprobs, train_step
+from boltstream.learner.step import accumulate_gradients, sequence_logprobs, train_step
+from boltstream.learner.step_plan import plan_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
 from boltstream.learner.token_trie import build_tree
-from boltstream.learner.tree_forward import label_nodes, probe_tree_support, resolve_prefix_tree, tree_problem
+from boltstream.learner.tree_forward import label_nodes, probe_tree_support, tree_problem
 from tests.unit.learner.test_shared_prefix import assert_same_update
 
 VOCAB = 64
@@ -123,25 +124,18 @@ def test_zero_advantage_skip_and_normaliser_are_unchanged_by_trees() -> None:
         assert torch.allclose(g_tree[name], g_flat[name], atol=1e-7, rtol=1e-5), name
 
 
-def test_a_model_without_a_4d_mask_attention_falls_back_to_flat(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_model_without_a_4d_mask_attention_is_planned_flat(caplog: pytest.LogCaptureFixture) -> None:
     model = make_model("plain", "sdpa")
     model.config._attn_implementation = "flash_attention_2"  # takes no dense mask (nor runs on CPU)
     assert "flash_attention_2" in (tree_problem(model) or "")
     with caplog.at_level(logging.WARNING):
-        cfg = resolve_prefix_tree(model, StepConfig())
-    assert cfg.prefix_tree is False and "runs flat" in caplog.text
-    # a caller that did not resolve: the step itself checks, logs once, and runs flat
+        plan = plan_step(model, StepConfig())
+    assert not plan.tree and plan.mode == "flat" and "flash_attention_2" in plan.paths()["prefix_tree"]
+    assert "prefix_tree off" in caplog.text and "attn_implementation 'sdpa'" in caplog.text  # names the fix
     model.config._attn_implementation = "sdpa"
     samples = shared_prefix_samples(VOCAB)
-    reference = accumulate_gradients(model, samples, StepConfig(prefix_tree=False), backward=False)
-    model.config._attn_implementation = "flash_attention_2"
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert not runs_tree(model, StepConfig())
-        runs_tree(model, StepConfig())
-    assert caplog.text.count("runs flat") <= 1
-    model.config._attn_implementation = "sdpa"
-    assert runs_tree(model, StepConfig()) and reference.unique_tokens == reference.input_tokens
+    flat = accumulate_gradients(model, samples, plan, backward=False)  # the plan holds, whatever the model says now
+    assert flat.unique_tokens == flat.input_tokens
 
 
 def test_the_probe_catches_an_attention_that_ignores_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,12 +153,13 @@ def test_the_probe_catches_an_attention_that_ignores_the_mask(monkeypatch: pytes
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", causal_only)
     model = make_model("plain", "sdpa")
     assert "ignores" in (probe_tree_support(model) or "")
-    assert resolve_prefix_tree(model, StepConfig()).prefix_tree is False
+    assert plan_step(model, StepConfig()).tree is False
     assert model.training, "the probe restores the training mode"
 
 
-def test_resolved_config_keeps_everything_else() -> None:
+def test_the_plan_keeps_the_config() -> None:
     cfg = StepConfig(max_tokens_per_micro_batch=77, kl_coef=0.5)
-    assert resolve_prefix_tree(make_model("plain", "eager"), cfg) == cfg
-    off = dataclasses.replace(cfg, prefix_tree=False)
-    assert resolve_prefix_tree(make_model("plain", "eager"), off) is off
+    plan = plan_step(make_model("lora", "eager"), cfg)
+    assert plan.cfg is cfg and plan.tree and plan.reference == "base"
+    off = plan_step(make_model("plain", "eager"), dataclasses.replace(cfg, prefix_tree=False, kl_coef=0.0))
+    assert not off.tree and not off.fallbacks and off.paths() == {"fused_head": ""}

@@ -29,6 +29,17 @@ def test_the_private_paths_are_taken_on_this_version() -> None:
     assert isinstance(CompositePropagator([])._propagators, list)
 
 
+def test_suppressing_instrumentation_marks_the_context_the_instrumentations_read() -> None:
+    from opentelemetry import context
+
+    token = otel_internals.suppress_instrumentation()
+    try:
+        assert context.get_value(context._SUPPRESS_INSTRUMENTATION_KEY) is True
+    finally:
+        context.detach(token)
+    assert not context.get_value(context._SUPPRESS_INSTRUMENTATION_KEY)
+
+
 class _Stamp(SpanProcessor):
     def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
         otel_internals.set_start_attributes(span, {"boltstream.rollout_id": "r", "boltstream.attempt_id": "a"})
