@@ -6,8 +6,8 @@ chunk logits recomputed in backward (:func:`losses.linear_token_logprobs`). Prom
 positions never produce logits. Peak activation memory is therefore bounded by
 ``max_tokens_per_micro_batch`` (decoder activations) plus ``logprob_chunk_size * vocab``
 floats, independent of the step's size. Models whose head is not a plain ``nn.Linear``
-(LoRA on ``lm_head``, logit soft-capping or scaling) or wrapped models (DDP) fall back to
-the model's own forward and gather log-probs from its logits.
+(LoRA on ``lm_head``, logit soft-capping or scaling) or wrapped models (DDP) run the model's
+own forward and gather log-probs from its logits.
 
 Prefix tree (``StepConfig.prefix_tree``): each micro-batch's samples run as one token trie
 (:mod:`.token_trie`, :mod:`.tree_forward`), so a prefix that samples share (system prompt, the
@@ -18,6 +18,9 @@ sample of the step shares (``StepConfig.shared_prefix_min_tokens``: the system p
 per step instead of once per micro-batch when the step needs more than one
 (:mod:`.shared_prefix`): the tries hold the tokens after it and attend to its cached keys/values,
 whose gradient goes back through it after the last micro-batch.
+
+Which of these paths a model takes is its trainer's :class:`.step_plan.StepPlan`, decided once
+when the trainer is built; a step runs its plan and decides nothing.
 """
 
 from __future__ import annotations

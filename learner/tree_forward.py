@@ -17,7 +17,6 @@ block mask) are not used: :func:`tree_problem` names why, and the step runs flat
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,8 +25,6 @@ import torch
 from boltstream.inference import transformers_internals
 
 from .token_trie import PrefixTree, build_tree
-
-logger = logging.getLogger(__name__)
 
 TREE_ATTENTION = ("sdpa", "eager")
 PROBE_TOLERANCE = 1e-3  # a mask that is ignored moves the probe's logits by O(1), rounding by far less
