@@ -5,7 +5,7 @@
 
 Why: glibc's defaults let its mmap threshold rise, so the learner's freed activations stay in a
 fragmented heap (4.2 GB peak, learner/memory.py); pinning the threshold or setting the trim
-threshold (the worker's, boltstream/malloc.py) turns that off but makes every allocation above the
+threshold (the worker's, boltstream/allocator.py) turns that off but makes every allocation above the
 threshold a fresh ``mmap`` that the kernel zero-fills, which costs compute. This benchmark prices
 each setting against glibc's defaults.
 
@@ -91,11 +91,11 @@ def prefill_inputs(vocab: int, rows: int, seed: int) -> tuple[Any, Any, Any]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One setting, in this process: learner steps, then prefills; times and peaks."""
-    from boltstream import malloc
+    from boltstream import allocator
 
     calls, _, lib = SETTINGS[args.child]
     for param, value in calls:  # before the model exists, as `boltstream learn` / `serve` do
-        malloc.mallopt(getattr(malloc, param), value)
+        allocator.mallopt(getattr(allocator, param), value)
 
     import torch
     from bench_learner_memory import demo_learner_config, demo_like_step

@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+from boltstream.broker.log_range import parse_position, read_range, resolve  # noqa: E402
 from boltstream.config import Settings, load  # noqa: E402
-from boltstream.log_range import parse_position, read_range, resolve  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
 from tests.integration.peak_rss import run_measured  # noqa: E402

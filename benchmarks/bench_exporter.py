@@ -62,7 +62,7 @@ Medians over ``--repeats``. JSON goes to benchmarks/results/exporter_realistic.j
 
 Capture (part 0, quiet box, 2026-11-26): a 4,000 + 500 token call 38-48 CPU µs in three runs
 with the ids as the transformers engine hands them (int32/float32 arrays; 62 µs before serve kept
-its heap, boltstream/malloc.py), 120-200 µs from Python lists (vLLM), 1.8-3.6 ms with the v1
+its heap, boltstream/allocator.py), 120-200 µs from Python lists (vLLM), 1.8-3.6 ms with the v1
 encoding; a 10 + 5 token call 36-52 µs: the envelope and 18 attributes, not the tokens.
 Realistic shape (``--spans 4400 --repeats 2``, load 5.5, another engineer's training on the
 box): export 3,378 spans/s = 4.1M tokens/s (OTLP/HTTP 132 spans/s); encode 23 µs per span
@@ -308,12 +308,12 @@ def capture_cost(legacy: Any, repeats: int) -> dict[str, Any]:
     """
     from array import array
 
+    from boltstream.allocator import keep_heap_for_requests
     from boltstream.config import Settings
     from boltstream.inference.backend import Completion, SamplingParams
     from boltstream.inference.capture import CallContext, build_llm_span
-    from boltstream.malloc import keep_heap_for_requests
 
-    keep_heap_for_requests()  # as `boltstream serve` does at start (boltstream/malloc.py)
+    keep_heap_for_requests()  # as `boltstream serve` does at start (boltstream/allocator.py)
     settings = Settings()
     encoders = {"packed": SpanRecordEncoder(settings), "v1": SpanRecordEncoder(settings, legacy)}
     assert all(e.fast for e in encoders.values()), "the fast Span encoder refused a schema"

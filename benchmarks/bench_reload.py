@@ -38,8 +38,8 @@ import httpx
 from aiokafka import AIOKafkaProducer
 
 from boltstream import s3
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.inference.launch import WorkerProcess
-from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
 from boltstream.stack import embedded_stack, settings_env
 from boltstream.weights.checkpoints import announce_checkpoint, prune_checkpoints, publish_checkpoint

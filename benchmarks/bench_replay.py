@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_stream import BOLTSTREAM, GROUP, throughput  # noqa: E402
 
+from boltstream.broker.topics import ensure_topics  # noqa: E402
 from boltstream.config import Settings  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
 from boltstream.streams.worker import tune_gc  # noqa: E402
-from boltstream.topics import ensure_topics  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

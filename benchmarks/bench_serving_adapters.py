@@ -36,8 +36,8 @@ from bench_reload import lora_checkpoints
 from bench_serving import concurrent, requests, serving_args, summarise, worker_env
 
 from boltstream import s3
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.inference.launch import WorkerProcess
-from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
 from boltstream.stack import embedded_stack
 from boltstream.weights.checkpoints import announce_checkpoint, publish_checkpoint

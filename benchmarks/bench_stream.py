@@ -86,13 +86,13 @@ sys.path.insert(0, str(ROOT))
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
 from benchmarks.legacy_encoding import legacy_codec  # noqa: E402
+from boltstream.broker.kafka import consumer_kwargs, producer_kwargs  # noqa: E402
+from boltstream.broker.topics import ensure_topics  # noqa: E402
 from boltstream.config import Settings  # noqa: E402
-from boltstream.kafka import consumer_kwargs, producer_kwargs  # noqa: E402
 from boltstream.schemas import Codec  # noqa: E402
 from boltstream.stack import embedded_stack, settings_env  # noqa: E402
 from boltstream.streams import assemble_trajectory, build_training_batches  # noqa: E402
 from boltstream.streams.worker import tune_gc  # noqa: E402
-from boltstream.topics import ensure_topics  # noqa: E402
 from tests.integration.streams.stream_workload import Rollout, Shape, encoded_spans, make_workload  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

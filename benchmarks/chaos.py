@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from boltstream import s3  # noqa: E402
+from boltstream.broker.topics import ensure_topics  # noqa: E402
 from boltstream.stack import embedded_stack, run_sync, settings_env  # noqa: E402
-from boltstream.topics import ensure_topics  # noqa: E402
 from tests.integration.chaos import chaos_scenarios  # noqa: E402
 from tests.integration.chaos.agent_scenarios import AGENT_SCENARIOS, run_agent_scenario  # noqa: E402
 from tests.integration.chaos.chaos_scenarios import HEADER, Result, run_scenario  # noqa: E402

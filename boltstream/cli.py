@@ -51,7 +51,7 @@ def _backend(args: list[str]) -> str:
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "stack": ("boltstream.stack.cli", "start, inspect or stop the embedded broker + S3 stack"),
-    "topics": ("boltstream.topics", "create, list or describe the topics"),
+    "topics": ("boltstream.broker.topics", "create, list or describe the topics"),
     "tasks": ("boltstream.producers.tasks", "publish a task dataset (JSONL or Parquet) to the tasks topic"),
     "runner": ("boltstream.producers.runner", "run an agent function on tasks from the tasks topic"),
     "ingest": ("boltstream.producers.otlp_ingest", "re-emit OTLP spans written by an OpenTelemetry Collector"),
@@ -61,7 +61,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("boltstream.streams.replay_cli", "re-run the stream stages over a range of spans with another configuration"),
     "learn": ("boltstream.learner.cli", "the learner: training batches -> checkpoints (--offline: from a dataset)"),
     "export": ("boltstream.export.cli", "write a range of spans, trajectories or batches to Parquet or JSON lines"),
-    "status": ("boltstream.status", "where a running pipeline stands: topics, lag, checkpoints, workers"),
+    "status": ("boltstream.monitoring.status", "where a running pipeline stands: topics, lag, checkpoints, workers"),
     "train": ("boltstream.runs.train", "train your own agent end to end"),
     "demo": ("boltstream.runs.demo", "the whole loop on the embedded stack with a real model"),
     "evaluate": ("boltstream.runs.evaluate", "held-out score of the base model and a model's newest checkpoint"),

@@ -5,7 +5,7 @@ a removed setting or a topic created without its retention only shows on a user'
 ``docker compose up``. So the file is read as data and held against what the code declares: the
 settings of each component's config dataclass (:func:`boltstream.config.knobs`), the sub-commands
 and flags of each command's own ``parser()``, the topics and their configs
-(:mod:`boltstream.topics`), and the rules compose itself enforces at start (dependency order,
+(:mod:`boltstream.broker.topics`), and the rules compose itself enforces at start (dependency order,
 healthchecks, host ports), the files its bind mounts name, and the Prometheus scrape config
 against the metrics port each component serves (:func:`_check_scrape`).
 ``python -m boltstream.compose_check infra/docker-compose.yml [overlay.yml ...]`` prints every
@@ -281,7 +281,7 @@ def _check_env(name: str, spec: Mapping[str, Any], lines: list[list[str]]) -> li
 
 
 def _check_topics(services: Mapping[str, Any], lines: Mapping[str, list[list[str]]]) -> list[str]:
-    from boltstream.topics import TOPIC_CONFIGS
+    from boltstream.broker.topics import TOPIC_CONFIGS
 
     inits = [n for n, ls in lines.items() if any(a[:3] == ["boltstream", "topics", "create"] for a in ls)]
     if not inits:

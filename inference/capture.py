@@ -269,7 +269,7 @@ class KafkaSpanSink:
     async def start(self) -> None:
         from aiokafka import AIOKafkaProducer
 
-        from boltstream.kafka import producer_kwargs, wait_for_broker
+        from boltstream.broker.kafka import producer_kwargs, wait_for_broker
 
         if self.spool_dir is not None:
             self._start_spooled()
@@ -282,7 +282,7 @@ class KafkaSpanSink:
         """No broker needed to start: the spool takes the spans until it answers."""
         from aiokafka import AIOKafkaProducer
 
-        from boltstream.kafka import producer_kwargs
+        from boltstream.broker.kafka import producer_kwargs
         from boltstream.producers.sender import Counters, KafkaSender, SpanBuffer
         from boltstream.producers.spool import Spool
 

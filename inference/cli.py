@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
+from boltstream.allocator import keep_heap_for_requests
 from boltstream.config import Settings, flags_from_dataclass, load, opt
 from boltstream.errors import ConfigError
-from boltstream.malloc import keep_heap_for_requests
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     cfg = load(ServeConfig, explicit=vars(args))
     logging.getLogger().setLevel(cfg.log_level.upper())
-    keep_heap_for_requests()  # boltstream/malloc.py: per-call buffers stay in the heap
+    keep_heap_for_requests()  # boltstream/allocator.py: per-call buffers stay in the heap
     import uvicorn
 
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="boltstream-serve-"))

@@ -118,7 +118,7 @@ class CheckpointFollower:
     async def start(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        from boltstream.kafka import consumer_kwargs
+        from boltstream.broker.kafka import consumer_kwargs
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._consumer = AIOKafkaConsumer(**consumer_kwargs(self.settings, None, fetch_max_wait_ms=50))
@@ -165,7 +165,7 @@ class CheckpointFollower:
         return True
 
     async def _run(self, tps: list[Any]) -> None:
-        from boltstream.kafka import log_end_offsets
+        from boltstream.broker.kafka import log_end_offsets
 
         ends = await log_end_offsets(self.settings, tps)
         history: list[Any] = []

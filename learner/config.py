@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+from boltstream.broker.log_range import LogRangeError, parse_position
 from boltstream.config import Settings, load, opt
 from boltstream.errors import ConfigError
-from boltstream.log_range import LogRangeError, parse_position
-from boltstream.tracking import REPORT_TO_HELP, check_installed, parse_report_to
+from boltstream.monitoring.tracking import REPORT_TO_HELP, check_installed, parse_report_to
 
 from .memory import GLIBC_MAX_MMAP_THRESHOLD_KB
 from .offline_source import TOPIC_PREFIX, parquet_files

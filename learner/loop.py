@@ -44,10 +44,10 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from boltstream import s3 as s3_mod
-from boltstream.dlq import DeadLetterWriter
-from boltstream.kafka import producer_kwargs, wait_for_broker
+from boltstream.broker.dlq import DeadLetterWriter
+from boltstream.broker.kafka import producer_kwargs, wait_for_broker
+from boltstream.monitoring.tracking import open_trackers
 from boltstream.schemas import Codec
-from boltstream.tracking import open_trackers
 from boltstream.weights.checkpoints import announce_checkpoint
 
 from . import timeline

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import resource
 
-from boltstream.malloc import M_MMAP_THRESHOLD, mallopt
+from boltstream.allocator import M_MMAP_THRESHOLD, mallopt
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Per-step learner metrics, to three places: the console log, Prometheus, a JSONL file
-(and to the ``--report-to`` experiment trackers, :mod:`boltstream.tracking`, when asked).
+(and to the ``--report-to`` experiment trackers, :mod:`boltstream.monitoring.tracking`, when asked).
 
 The JSONL file is the durable record: one line per step (``"event": "step"``) with the
 losses, reward/advantage statistics, the staleness histogram, throughput, drop counters
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from boltstream.metrics_server import MetricsServer
-from boltstream.status import STEP_MODE_SERIES
-from boltstream.tracking import Trackers
+from boltstream.monitoring.metrics_server import MetricsServer
+from boltstream.monitoring.status import STEP_MODE_SERIES
+from boltstream.monitoring.tracking import Trackers
 
 from .groups import StepInput
 from .memory import peak_rss_mb

@@ -41,10 +41,17 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from boltstream.broker.log_range import (
+    LogRange,
+    LogRangeError,
+    PartitionRange,
+    parse_position,
+    read_merged,
+    resolve,
+)
+from boltstream.broker.replay_marker import replay_status
 from boltstream.config import Settings
 from boltstream.export.batches import BatchesFileError, check_batches_file, read_batches
-from boltstream.log_range import LogRange, LogRangeError, PartitionRange, parse_position, read_merged, resolve
-from boltstream.replay_marker import replay_status
 from boltstream.schemas import Codec
 
 from .config import LearnerConfig

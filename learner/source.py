@@ -18,10 +18,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from boltstream.broker.dlq import DeadLetterWriter
+from boltstream.broker.kafka import consumer_kwargs, log_end_offsets
 from boltstream.config import Settings
-from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import BoltstreamError
-from boltstream.kafka import consumer_kwargs, log_end_offsets
 
 from .groups import GroupAssembler, StepInput
 

@@ -248,7 +248,7 @@ class KafkaSpanExporter(SpanExporter):
     def _make_producer(self) -> Any:
         from aiokafka import AIOKafkaProducer
 
-        from boltstream.kafka import producer_kwargs
+        from boltstream.broker.kafka import producer_kwargs
 
         return AIOKafkaProducer(**producer_kwargs(
             self.settings,

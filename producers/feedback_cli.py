@@ -43,7 +43,7 @@ async def send_feedback(settings: Settings, feedback: Feedback, timeout: float =
     """Produce the feedback's reward span; returns (key, partition, offset) once the broker acked it."""
     from aiokafka import AIOKafkaProducer
 
-    from boltstream.kafka import producer_kwargs, wait_for_broker
+    from boltstream.broker.kafka import producer_kwargs, wait_for_broker
 
     from .span_encoder import SpanRecordEncoder
 

@@ -30,7 +30,7 @@ from .normalise import normalise
 from .otlp_decode import OtlpDecodeError, decode
 
 if TYPE_CHECKING:
-    from boltstream.dlq import DeadLetterWriter
+    from boltstream.broker.dlq import DeadLetterWriter
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class OtlpIngest:
     async def run(self) -> IngestStats:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-        from boltstream.dlq import DeadLetterWriter
-        from boltstream.kafka import consumer_kwargs, producer_kwargs
+        from boltstream.broker.dlq import DeadLetterWriter
+        from boltstream.broker.kafka import consumer_kwargs, producer_kwargs
 
         from .span_encoder import SpanRecordEncoder
 

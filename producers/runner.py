@@ -252,8 +252,8 @@ class Runner:
     async def run(self) -> int:
         from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
-        from boltstream.dlq import DeadLetterWriter
-        from boltstream.kafka import consumer_kwargs
+        from boltstream.broker.dlq import DeadLetterWriter
+        from boltstream.broker.kafka import consumer_kwargs
         from boltstream.schemas import Codec
 
         from .exporter import KafkaSpanExporter

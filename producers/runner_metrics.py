@@ -17,7 +17,7 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from boltstream.metrics_server import MetricsServer
+from boltstream.monitoring.metrics_server import MetricsServer
 
 from .exporter_metrics import observations
 

@@ -123,7 +123,7 @@ async def publish(settings: Settings, tasks: list[TaskLine], *, split: str | Non
     """Produce Task records keyed by task id and wait for every ack; returns how many were acked."""
     from aiokafka import AIOKafkaProducer
 
-    from boltstream.kafka import producer_kwargs
+    from boltstream.broker.kafka import producer_kwargs
     from boltstream.schemas import Codec
 
     codec = Codec.from_registry_url(settings.schema_registry_url)

@@ -36,9 +36,14 @@ from typing import Any
 
 import faust
 
+from boltstream.broker.dlq import DeadLetterWriter
+from boltstream.broker.kafka import (
+    HEARTBEAT_INTERVAL_MS,
+    REBALANCE_TIMEOUT_MS,
+    SESSION_TIMEOUT_MS,
+    ssl_context,
+)
 from boltstream.config import Settings
-from boltstream.dlq import DeadLetterWriter
-from boltstream.kafka import HEARTBEAT_INTERVAL_MS, REBALANCE_TIMEOUT_MS, SESSION_TIMEOUT_MS, ssl_context
 from boltstream.schemas import Codec
 
 from .config import StreamConfig, load_stream_config

@@ -22,7 +22,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from boltstream.metrics_server import MetricsServer
+from boltstream.monitoring.metrics_server import MetricsServer
 
 from .faust_internals import read_offsets
 

@@ -6,7 +6,7 @@ them for rewards, form and time out groups exactly as a worker does. Only what i
 stages differs:
 
 * No faust, no consumer group, no changelog. The range is read with
-  :func:`boltstream.log_range.read_merged` (assigned partitions, nothing committed), the
+  :func:`boltstream.broker.log_range.read_merged` (assigned partitions, nothing committed), the
   stages' tables are :class:`MemoryMap` dicts, and a replay that dies is simply run again.
 * Event time. ``now`` is the records' timestamps, in the one total order ``read_merged``
   gives (timestamp, partition, offset). The stages' clock hook (``clock_ns``: markers, a
@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from aiokafka.partitioner import DefaultPartitioner
 
-from boltstream.dlq import DeadLetterWriter
+from boltstream.broker.dlq import DeadLetterWriter
 from boltstream.errors import BoltstreamError
 from boltstream.schemas import Codec
 

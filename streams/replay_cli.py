@@ -14,11 +14,11 @@ interval, consumer path, log period, profile) are not offered.
 
 The output namespace must differ from the live one. One that already holds data is refused
 unless ``--overwrite``, which deletes and recreates its four topics (verified empty, with a
-bounded retry: boltstream.topics.recreate_topics); a namespace with a non-empty ``spans`` topic
+bounded retry: boltstream.broker.topics.recreate_topics); a namespace with a non-empty ``spans`` topic
 is a live pipeline's and is always refused. A replay killed half-way is simply run again with
 ``--overwrite``: nothing of it is kept but its partial output, which the re-run replaces.
 A finished replay writes one ``ReplayDone`` record to ``<namespace>replay`` last, once every
-other write is acknowledged (boltstream.replay_marker): ``learn --offline`` refuses a replay
+other write is acknowledged (boltstream.broker.replay_marker): ``learn --offline`` refuses a replay
 namespace without it.
 """
 
@@ -37,13 +37,13 @@ from typing import Any, ClassVar
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from boltstream import replay_marker
+from boltstream.broker import replay_marker
+from boltstream.broker.kafka import log_end_offsets, producer_kwargs, wait_for_broker
+from boltstream.broker.log_range import Position, parse_position, read_merged, resolve
+from boltstream.broker.topics import ensure_topics, held_records, recreate_topics
 from boltstream.config import Settings, flags_from_dataclass, knobs, load, opt
 from boltstream.errors import ConfigError
-from boltstream.kafka import log_end_offsets, producer_kwargs, wait_for_broker
-from boltstream.log_range import Position, parse_position, read_merged, resolve
 from boltstream.schemas import Codec
-from boltstream.topics import ensure_topics, held_records, recreate_topics
 
 from .config import StreamConfig, load_stream_config
 from .replay import MAX_STEP_RECORDS, OutputProducer, ReplayEngine, ReplayError, steps

@@ -60,7 +60,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from boltstream.dlq import DeadLetterWriter
+from boltstream.broker.dlq import DeadLetterWriter
 from boltstream.schemas import Codec, SchemaError
 from boltstream.schemas.records import RECORD_HEADROOM, REWARD_VALUE, ROLLOUT_END_SPAN, rollout_key
 

@@ -26,7 +26,7 @@ items by id in memory), so this stays idempotent.
 
 Tansu fix (:func:`catch_up`): faust ends recovery at the broker's reported
 high watermark, and Tansu 0.6 reports the LAST BATCH's base offset + 1 there
-(see boltstream.kafka), so the rest of that batch may never reach the store.
+(see boltstream.broker.kafka), so the rest of that batch may never reach the store.
 After faust's recovery, :func:`catch_up` re-reads each active changelog
 partition from that reported offset - 1 to the true log end and applies it in
 order. Re-applying the tail of a key/value log in order is idempotent, so on
@@ -43,8 +43,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from boltstream.broker.kafka import consumer_kwargs, log_end_offsets, read_tails
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, log_end_offsets, read_tails
 
 log = logging.getLogger(__name__)
 

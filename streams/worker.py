@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import faust
 
-from boltstream.kafka import wait_for_broker
-from boltstream.topics import ensure_topics
+from boltstream.broker.kafka import wait_for_broker
+from boltstream.broker.topics import ensure_topics
 
 from .app import StreamApp
 from .config import StreamConfig

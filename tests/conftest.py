@@ -72,8 +72,8 @@ def stack_settings(stack: dict[str, Any]) -> Settings:
 def settings(stack: dict[str, Any]) -> Settings:
     """Settings for the session stack with a namespace of this test's own; topics and bucket exist."""
     from boltstream import s3
+    from boltstream.broker.topics import ensure_topics
     from boltstream.stack import run_sync, settings_from_state
-    from boltstream.topics import ensure_topics
 
     cfg = settings_from_state(stack, namespace=f"t{uuid.uuid4().hex[:8]}.")
     run_sync(ensure_topics(cfg))

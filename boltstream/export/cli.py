@@ -2,7 +2,7 @@
 
 The log is the dataset; this is how it leaves boltstream (SFT, DPO, analysis
 elsewhere). ``--from`` / ``--to`` take the positions every range command
-takes (:mod:`boltstream.log_range`: earliest, now, an ISO time, partition:offset).
+takes (:mod:`boltstream.broker.log_range`: earliest, now, an ISO time, partition:offset).
 ``--namespace`` picks whose topics: the live pipeline's (the default) or a
 replay's. Partitions are read one after the other, each in offset order, by
 assignment (no consumer group, nothing committed), so rows come out in
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from boltstream import __version__
+from boltstream.broker.log_range import LogRange, parse_position, read_range, resolve
 from boltstream.config import Settings, flags_from_dataclass, load, opt
 from boltstream.errors import BoltstreamError, ConfigError
-from boltstream.log_range import LogRange, parse_position, read_range, resolve
 from boltstream.schemas import Codec, default_catalog
 
 from .rows import KINDS, Position, layout

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from boltstream.broker.log_range import LogRangeError, parse_position, read_range, resolve
 from boltstream.config import Settings, load
 from boltstream.errors import BoltstreamError
-from boltstream.log_range import LogRangeError, parse_position, read_range, resolve
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.demo import CALC_AGENT
 from boltstream.runs.pipeline import (

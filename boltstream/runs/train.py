@@ -8,7 +8,7 @@ budget is spent, evaluates again with the same sampling settings, and writes
 Progress: a live table on a terminal, one line per event elsewhere
 (:mod:`boltstream.runs.progress`); ``--report-to`` sends the learners' steps, the held-out
 scores and every component's config to experiment trackers under ``--out/tracking``
-(:mod:`boltstream.tracking`).
+(:mod:`boltstream.monitoring.tracking`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from boltstream.config import DEFAULT_GROUP_SIZE, Settings, flags_from_dataclass
 from boltstream.inference.cli import DTYPES
 from boltstream.learner import hints, timeline
 from boltstream.learner.config import LearnerConfig
+from boltstream.monitoring.status import ENDPOINTS_FILE
+from boltstream.monitoring.tracking import Trackers, open_trackers
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
     ZERO_CODE_ENV,
@@ -43,9 +45,7 @@ from boltstream.runs.pipeline import (
     worker_version,
 )
 from boltstream.runs.progress import choose_display
-from boltstream.status import ENDPOINTS_FILE
 from boltstream.streams.config import StreamConfig
-from boltstream.tracking import Trackers, open_trackers
 from boltstream.weights.models import cpu_facts, resolve_dtype
 
 log = logging.getLogger(__name__)

@@ -151,7 +151,7 @@ def _start_services(path: Path, state: dict[str, Any], deadline: float) -> None:
     wait_broker(state, deadline)
     settings = settings_from_state(state)
     s3.ensure_bucket(s3.make_client(settings), state["s3_bucket"])
-    from boltstream.topics import ensure_topics
+    from boltstream.broker.topics import ensure_topics
 
     run_sync(ensure_topics(settings, timeout=max(1.0, deadline - time.monotonic())))
     write_state(path, state)

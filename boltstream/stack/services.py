@@ -182,7 +182,7 @@ def start_tls(state: dict[str, Any]) -> None:
 
 def wait_broker(state: dict[str, Any], deadline: float) -> None:
     """Until the broker answers a metadata request; StackError at ``deadline`` (monotonic) or if it dies."""
-    from boltstream.kafka import BrokerUnavailableError, wait_for_broker
+    from boltstream.broker.kafka import BrokerUnavailableError, wait_for_broker
 
     settings = settings_from_state(state)
     while True:

@@ -17,8 +17,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from boltstream import s3
+from boltstream.broker.kafka import consumer_kwargs, log_end_offsets
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, log_end_offsets
 from boltstream.schemas import Codec
 from boltstream.schemas.packed import as_lists
 from boltstream.stack import run_sync

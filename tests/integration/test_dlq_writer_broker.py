@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from boltstream.broker.dlq import DeadLetterWriter
 from boltstream.config import Settings
-from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec
 from tests.integration.conftest import read_keyed
 

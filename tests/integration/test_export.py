@@ -53,7 +53,7 @@ def _decoded(settings: Settings, short: str, record: str) -> dict[tuple[int, int
     """Every decodable record of a topic by (partition, offset), decoded here with the codec."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from boltstream.kafka import consumer_kwargs, log_end_offsets
+    from boltstream.broker.kafka import consumer_kwargs, log_end_offsets
 
     async def go() -> dict[tuple[int, int], dict[str, Any]]:
         topic, codec, out = settings.topic(short), Codec(), {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaProducer
 
+from boltstream.broker.kafka import producer_kwargs
+from boltstream.broker.log_range import LogRangeError, parse_position, read_merged, read_range, resolve
 from boltstream.config import Settings
-from boltstream.kafka import producer_kwargs
-from boltstream.log_range import LogRangeError, parse_position, read_merged, read_range, resolve
 from boltstream.stack import run_sync
 
 T0 = 1_795_514_400_000  # 2026-11-24T10:00:00Z

@@ -22,11 +22,11 @@ import yaml
 
 from boltstream.config import Settings
 from boltstream.examples.calc.tasks import train_test
+from boltstream.monitoring.status import metric_values
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
 from boltstream.runs.pipeline import PipelineConfig, worker_version
 from boltstream.stack import run_sync
-from boltstream.status import metric_values
 
 REPO = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = REPO / "infra" / "prometheus" / "prometheus.yml"
@@ -91,7 +91,7 @@ async def _send_garbage(settings: Settings) -> None:
     """One undecodable record on the spans topic: the stream app dead-letters it (the dead letters panel)."""
     from aiokafka import AIOKafkaProducer
 
-    from boltstream.kafka import producer_kwargs
+    from boltstream.broker.kafka import producer_kwargs
 
     producer = AIOKafkaProducer(**producer_kwargs(settings))
     await producer.start()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from boltstream.broker.kafka import BrokerUnavailableError, wait_for_broker
 from boltstream.config import Settings
-from boltstream.kafka import BrokerUnavailableError, wait_for_broker
 from boltstream.processes import LOOPBACK, free_port, spawn, terminate
 from boltstream.stack.services import broker_bin
 from tests.integration.conftest import boltstream_argv

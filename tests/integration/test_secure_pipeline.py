@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from boltstream.broker.kafka import BrokerUnavailableError, wait_for_broker
 from boltstream.examples.calc.tasks import train_test
-from boltstream.kafka import BrokerUnavailableError, wait_for_broker
 from boltstream.runs.demo import CALC_AGENT, CALC_AIR_RULES
 from boltstream.runs.pipeline import PipelineConfig, read_jsonl
 from boltstream.runs.train import run

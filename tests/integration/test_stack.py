@@ -13,11 +13,11 @@ import minio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from boltstream import stack as stack_mod
+from boltstream.broker.kafka import consumer_kwargs, log_end_offsets, producer_kwargs
+from boltstream.broker.topics import describe_topics, ensure_topics, list_topics
 from boltstream.config import TOPICS, Settings
-from boltstream.kafka import consumer_kwargs, log_end_offsets, producer_kwargs
 from boltstream.processes import pid_alive, terminate
 from boltstream.schemas import Codec
-from boltstream.topics import describe_topics, ensure_topics, list_topics
 
 
 def _tasks(n: int, tag: str) -> list[dict]:

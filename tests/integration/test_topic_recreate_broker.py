@@ -12,9 +12,9 @@ import dataclasses
 
 from aiokafka.admin import AIOKafkaAdminClient
 
+from boltstream.broker.kafka import admin_kwargs
+from boltstream.broker.topics import describe_topics, ensure_topics, held_records, recreate_topics
 from boltstream.config import Settings
-from boltstream.kafka import admin_kwargs
-from boltstream.topics import describe_topics, ensure_topics, held_records, recreate_topics
 from tests.integration.streams.stream_helpers import produce
 
 

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from boltstream.allocator import ALLOCATOR_ENV, AllocatorError, child_env, find_library, resolve, with_preload
-from boltstream.malloc import active_allocator, replacement_in
+from boltstream.allocator import (
+    ALLOCATOR_ENV,
+    AllocatorError,
+    active_allocator,
+    child_env,
+    find_library,
+    replacement_in,
+    resolve,
+    with_preload,
+)
 from boltstream.processes import Processes, free_port, wait_until
 
 DIRS = ["/usr/lib/x86_64-linux-gnu", "/usr/lib"]
@@ -91,7 +99,7 @@ def test_glibc_settings_are_not_applied_under_tcmalloc_and_are_under_glibc() -> 
     import subprocess
     import sys
 
-    code = ("from boltstream.malloc import active_allocator, keep_heap_for_requests\n"
+    code = ("from boltstream.allocator import active_allocator, keep_heap_for_requests\n"
             "print(active_allocator(), keep_heap_for_requests())")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     on = subprocess.run([sys.executable, "-c", code], env={**env, "LD_PRELOAD": str(TCMALLOC)},

@@ -166,7 +166,7 @@ def test_commands_that_are_not_boltstream_are_left_alone() -> None:
 
 def test_the_code_needs_the_topics_the_init_service_creates() -> None:
     # what `boltstream topics create` (no names) creates is config.TOPICS with TOPIC_CONFIGS
-    from boltstream.topics import TOPIC_CONFIGS, parser
+    from boltstream.broker.topics import TOPIC_CONFIGS, parser
 
     args = parser().parse_args(["create"])
     assert args.names == [] and set(TOPIC_CONFIGS) <= set(config.TOPICS)

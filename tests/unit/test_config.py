@@ -152,7 +152,7 @@ def test_sasl_settings_accepted(tmp_path: Path) -> None:
 
 def test_kafka_kwargs_follow_settings() -> None:
     """kafka.py turns Settings into aiokafka arguments; no broker needed to check the mapping."""
-    from boltstream.kafka import consumer_kwargs, producer_kwargs
+    from boltstream.broker.kafka import consumer_kwargs, producer_kwargs
 
     plain = Settings(bootstrap_servers="127.0.0.1:1234", max_message_bytes=2_000_000)
     prod = producer_kwargs(plain, linger_ms=0)

@@ -1,4 +1,4 @@
-"""``boltstream.dlq.DeadLetterWriter`` through a recording send callable: what it sends, counts and reports."""
+"""``boltstream.broker.dlq.DeadLetterWriter`` through a recording send callable: what it sends, counts and reports."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from boltstream.broker.dlq import DeadLetterWriter
 from boltstream.config import Settings
-from boltstream.dlq import DeadLetterWriter
 from boltstream.schemas import Codec
 
 CODEC = Codec()
@@ -67,14 +67,14 @@ async def test_a_broker_failure_reaches_the_future_and_the_log(caplog: pytest.Lo
     writer = DeadLetterWriter(SETTINGS, CODEC, "stream", send=send)
     future = await writer.reject(Record(b"v"), "bad")
     send.sent[0][3].set_exception(TimeoutError("no ack"))
-    with caplog.at_level(logging.ERROR, "boltstream.dlq"), pytest.raises(TimeoutError, match="no ack"):
+    with caplog.at_level(logging.ERROR, "boltstream.broker.dlq"), pytest.raises(TimeoutError, match="no ack"):
         await asyncio.wait_for(future, 1)
     assert writer.failed == 1 and "dead letter of u.spans[2]@17 not written: TimeoutError: no ack" in caplog.text
 
 
 async def test_a_send_refused_locally_is_delivered_to_the_future(caplog: pytest.LogCaptureFixture) -> None:
     writer = DeadLetterWriter(SETTINGS, CODEC, "stream", send=RecordingSend(refuse=ValueError("too large")))
-    with caplog.at_level(logging.ERROR, "boltstream.dlq"):
+    with caplog.at_level(logging.ERROR, "boltstream.broker.dlq"):
         future = await writer.reject(Record(b"v"), "bad")
         with pytest.raises(ValueError, match="too large"):
             await asyncio.wait_for(future, 1)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from boltstream.log_range import (
+from boltstream.broker.log_range import (
     EARLIEST,
     NOW,
     OFFSETS,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from boltstream.errors import BoltstreamError
-from boltstream.status import (
+from boltstream.monitoring.status import (
     UNKNOWN,
     format_report,
     group_lag,

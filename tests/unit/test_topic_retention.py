@@ -1,7 +1,7 @@
 """Retention of the replayable topics is explicit and follows Settings."""
 
+from boltstream.broker.topics import topic_configs
 from boltstream.config import Settings
-from boltstream.topics import topic_configs
 
 
 def test_spans_and_dlq_keep_everything_by_default() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from boltstream import tracking
 from boltstream.errors import ConfigError
 from boltstream.learner.config import load_config
-from boltstream.tracking import Trackers, open_trackers, parse_report_to, scalars
+from boltstream.monitoring import tracking
+from boltstream.monitoring.tracking import Trackers, open_trackers, parse_report_to, scalars
 from tests.tracking_readers import (
     mlflow_history,
     mlflow_runs,
@@ -91,7 +91,7 @@ class Kept:
 def test_a_failing_tracker_is_logged_once_and_switched_off(caplog) -> None:
     broken, kept = Broken(), Kept()
     trackers = Trackers([broken, kept])
-    with caplog.at_level(logging.ERROR, logger="boltstream.tracking"):
+    with caplog.at_level(logging.ERROR, logger="boltstream.monitoring.tracking"):
         trackers.log_params({"lr": 1})
         trackers.log_metrics({"loss": 1.0}, 1)
         trackers.log_metrics({"loss": 0.5}, 2)

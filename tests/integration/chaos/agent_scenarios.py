@@ -39,8 +39,8 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from boltstream.broker.kafka import log_end_offsets
 from boltstream.config import Settings
-from boltstream.kafka import log_end_offsets
 from boltstream.processes import free_port
 from boltstream.runs.pipeline import worker_version
 from tests.integration.chaos.chaos_scenarios import (

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.config import Settings
 from boltstream.inference.launch import WorkerProcess
-from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
 from boltstream.weights.checkpoints import announce_checkpoint
 from tests.integration.conftest import read_keyed

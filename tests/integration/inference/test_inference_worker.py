@@ -10,7 +10,7 @@ import httpx
 import openai
 from aiokafka import TopicPartition
 
-from boltstream.kafka import log_end_offsets
+from boltstream.broker.kafka import log_end_offsets
 from boltstream.stack import run_sync
 from boltstream.weights.checkpoints import publish_checkpoint, version_prefix
 from boltstream.weights.models import byte_tokenizer, save_model_dir, tiny_model_and_tokenizer

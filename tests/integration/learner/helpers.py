@@ -16,8 +16,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.config import Settings
-from boltstream.kafka import producer_kwargs
 from boltstream.learner.tiny import random_samples
 from boltstream.schemas import Codec
 from tests.integration.conftest import boltstream_argv, read_keyed

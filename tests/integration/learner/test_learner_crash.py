@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from boltstream.kafka import log_end_offsets
+from boltstream.broker.kafka import log_end_offsets
 from boltstream.learner.metrics import read_records, read_steps
 from boltstream.weights.checkpoints import latest_manifest
 from tests.integration.learner.helpers import Learner, group, produce, sample_ids

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from boltstream.broker.topics import ensure_topics
 from boltstream.config import Settings
 from boltstream.examples.calc.tasks import train_test
 from boltstream.learner.config import LearnerConfig
@@ -19,7 +20,6 @@ from boltstream.learner.loop import train
 from boltstream.learner.metrics import read_records, read_steps
 from boltstream.runs.evaluate import main as evaluate_main
 from boltstream.stack import run_sync
-from boltstream.topics import ensure_topics
 from boltstream.weights.checkpoints import latest_manifest
 from tests.integration.learner.helpers import Learner, group, produce, sample_ids
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from boltstream.broker.kafka import wait_for_broker
+from boltstream.broker.topics import ensure_topics
 from boltstream.config import Settings
-from boltstream.kafka import wait_for_broker
 from boltstream.processes import free_port
 from boltstream.stack import run_sync
-from boltstream.topics import ensure_topics
 from tests.integration.conftest import Record, read_topic
 
 __all__ = ["Record", "read_topic"]

@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from boltstream.broker.kafka import admin_kwargs, producer_kwargs
 from boltstream.config import Settings
-from boltstream.kafka import admin_kwargs, producer_kwargs
 from boltstream.stack import run_sync
 
 

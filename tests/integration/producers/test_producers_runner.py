@@ -23,8 +23,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.config import Settings
-from boltstream.kafka import producer_kwargs
 from boltstream.producers.context import ROLLOUT_NAMESPACE
 from boltstream.stack import run_sync
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from boltstream.broker.kafka import consumer_kwargs, producer_kwargs
 from boltstream.config import Settings
-from boltstream.kafka import consumer_kwargs, producer_kwargs
 from boltstream.schemas import Codec
 from boltstream.schemas.packed import as_lists
 

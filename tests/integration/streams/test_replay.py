@@ -29,9 +29,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from boltstream import cli
+from boltstream.broker.kafka import admin_kwargs, consumer_kwargs
+from boltstream.broker.log_range import parse_position, read_range, resolve
+from boltstream.broker.topics import held_records
 from boltstream.config import Settings
-from boltstream.kafka import admin_kwargs, consumer_kwargs
-from boltstream.log_range import parse_position, read_range, resolve
 from boltstream.schemas import Codec
 from boltstream.schemas.packed import as_lists
 from boltstream.schemas.records import rollout_key
@@ -43,7 +44,6 @@ from boltstream.streams import (
     assemble_trajectory,
     build_training_batches,
 )
-from boltstream.topics import held_records
 from tests.integration.conftest import boltstream_argv
 from tests.integration.streams.stream_helpers import TopicReader, produce, samples_of
 from tests.integration.streams.stream_workload import encoded_spans, interleaved_spans, make_workload

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaProducer
 
+from boltstream.broker.kafka import producer_kwargs
 from boltstream.config import Settings
-from boltstream.kafka import producer_kwargs
 from boltstream.schemas import Codec
 from tests.integration.streams.stream_helpers import TopicReader, samples_of
 from tests.integration.streams.stream_workload import _span, make_workload, reference_samples

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 
+from boltstream.broker.kafka import log_end_offsets
 from boltstream.config import Settings
-from boltstream.kafka import log_end_offsets
 from boltstream.schemas import Codec
 from tests.integration.streams.stream_helpers import TopicReader, produce, samples_of
 from tests.integration.streams.stream_workload import encoded_spans, make_workload, reference_samples

@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-from boltstream import status
 from boltstream.inference import transformers_internals
 from boltstream.learner.config import LearnerConfig, StepConfig
 from boltstream.learner.metrics import MetricsSink
@@ -17,6 +16,7 @@ from boltstream.learner.step import evaluate_loss
 from boltstream.learner.step_plan import Fallback, StepPlan, plan_step
 from boltstream.learner.tiny import shared_prefix_samples, tiny_llama
 from boltstream.learner.trainer import TorchTrainer
+from boltstream.monitoring import status
 from tests.unit.learner.test_shared_prefix import assert_same_update
 
 VOCAB = 64

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from boltstream.broker.dlq import DeadLetterWriter
 from boltstream.config import Settings, load
-from boltstream.dlq import DeadLetterWriter
 from boltstream.errors import ConfigError
 from boltstream.schemas import Codec
 from boltstream.streams.config import StreamConfig

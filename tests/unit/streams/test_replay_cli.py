@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from boltstream.broker.log_range import LogRangeError
 from boltstream.config import knobs
 from boltstream.errors import ConfigError
-from boltstream.log_range import LogRangeError
 from boltstream.streams.config import StreamConfig
 from boltstream.streams.replay_cli import NOT_REPLAYED, config_from_args, parser
 

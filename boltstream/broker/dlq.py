@@ -76,7 +76,7 @@ class DeadLetterWriter:
                 return
             from aiokafka import AIOKafkaProducer
 
-            from boltstream.kafka import producer_kwargs
+            from boltstream.broker.kafka import producer_kwargs
 
             producer = AIOKafkaProducer(**producer_kwargs(self.settings))
             await producer.start()

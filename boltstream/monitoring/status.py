@@ -2,7 +2,7 @@
 
 What it reads, and from where:
 
-* topics of the namespace with their log ends (:func:`boltstream.kafka.log_end_offsets`,
+* topics of the namespace with their log ends (:func:`boltstream.broker.kafka.log_end_offsets`,
   correct on the embedded broker too);
 * consumer groups (``list_consumer_groups``) and, per group, the committed offset of
   every partition of the namespace's topics, through a consumer of that group that
@@ -191,7 +191,7 @@ async def _topic_ends(settings: Settings) -> dict[tuple[str, int], int]:
     from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from boltstream.kafka import admin_kwargs, log_end_offsets
+    from boltstream.broker.kafka import admin_kwargs, log_end_offsets
 
     admin = AIOKafkaAdminClient(**admin_kwargs(settings))
     await admin.start()
@@ -208,7 +208,7 @@ async def _topic_ends(settings: Settings) -> dict[tuple[str, int], int]:
 async def _groups(settings: Settings) -> list[str]:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from boltstream.kafka import admin_kwargs
+    from boltstream.broker.kafka import admin_kwargs
 
     admin = AIOKafkaAdminClient(**admin_kwargs(settings))
     await admin.start()
@@ -222,7 +222,7 @@ async def _groups(settings: Settings) -> list[str]:
 async def _committed(settings: Settings, group: str, tps: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from boltstream.kafka import consumer_kwargs
+    from boltstream.broker.kafka import consumer_kwargs
 
     consumer = AIOKafkaConsumer(**consumer_kwargs(settings, group))
     await consumer.start()
@@ -235,7 +235,7 @@ async def _committed(settings: Settings, group: str, tps: Iterable[tuple[str, in
 async def _checkpoint_events(settings: Settings, ends: Mapping[tuple[str, int], int]) -> list[dict[str, Any]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from boltstream.kafka import consumer_kwargs
+    from boltstream.broker.kafka import consumer_kwargs
     from boltstream.schemas import Codec
 
     topic = settings.topic("checkpoints")
@@ -305,7 +305,7 @@ async def broker_status(settings: Settings) -> dict[str, Any]:
 
 def collect(settings: Settings, workers: Iterable[str], metrics: Iterable[str], timeout: float) -> dict[str, Any]:
     """The whole report (broker, workers, metrics endpoints)."""
-    from boltstream.kafka import wait_for_broker
+    from boltstream.broker.kafka import wait_for_broker
 
     asyncio.run(wait_for_broker(settings, timeout=timeout))
     report = asyncio.run(broker_status(settings))

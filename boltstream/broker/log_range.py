@@ -29,9 +29,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from boltstream.broker.kafka import consumer_kwargs, log_end_offsets
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
-from boltstream.kafka import consumer_kwargs, log_end_offsets
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from boltstream.broker.log_range import LogRange, LogRangeError, parse_position, read_range, resolve
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
-from boltstream.log_range import LogRange, LogRangeError, parse_position, read_range, resolve
 from boltstream.schemas import Codec
 
 TOPIC = "replay"  # short name, in the replay's namespace

@@ -31,9 +31,9 @@ from aiokafka.errors import (
 )
 
 from boltstream import config
+from boltstream.broker.kafka import admin_kwargs, consumer_kwargs, log_end_offsets, wait_for_broker
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
-from boltstream.kafka import admin_kwargs, consumer_kwargs, log_end_offsets, wait_for_broker
 
 log = logging.getLogger(__name__)
 
