@@ -182,39 +182,8 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             phase(f"before: {summary['before']['score']:.3f} ± {summary['before']['se']:.3f} held-out")
             trackers.log_metrics(_held_out(summary["before"]), 0)
 
-            train_started = time.monotonic()
-            for name in ("stream", *metrics):
-                procs.start(name, *argv[name])
-            phase(f"training: {cfg.steps} learner steps")
-            agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
-            if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
-                procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
-            else:
-                for name in agents:
-                    procs.start(name, *argv[name])
-
-            # The after-eval costs what the before-eval did, a little more while the last checkpoint
-            # loads and the other components stop: reserve that, not more (every second is training).
-            eval_reserve = 1.5 * eval_s + 30.0
-            deadline = started + cfg.time_budget_s - eval_reserve
-
-            summary["hints"] = {}  # what stuck_hint said, and at which step it first did
-            summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline,
-                                                                       display, group_size, summary["hints"])
-            if summary["stopped_by_time_budget"]:
-                # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
-                log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the "
-                            "evaluation before took %.0f s and as much is kept for the one after); raise "
-                            "--time-budget", min(len(_steps(p)) for p in metrics.values()), cfg.steps,
-                            cfg.time_budget_s, eval_s)
-            phase("stopping the agents and learners")
-            for name in reversed(agents):
-                procs.stop(name)
-            # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
-            # training on groups already in flight and the worker reloaded mid-evaluation.
-            for name in metrics:
-                procs.stop(name, timeout=300)
-            summary["train_s"] = round(time.monotonic() - train_started, 1)
+            summary["train_s"] = _train(cfg, procs, argv, metrics, port, (started, eval_s), display, group_size,
+                                        summary)
             summary.update(_learners_summary(cfg, procs, metrics, roles, port))
             summary["after"] = evaluate_held_out("after")
             log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
@@ -234,6 +203,44 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot({roles.get(name, "training"): path for name, path in metrics.items()}, summary, out / "curve.png")
     return summary
+
+
+def _train(cfg: PipelineConfig, procs: Processes, argv: dict[str, list[str]], metrics: dict[str, Path], port: int,
+           clock: tuple[float, float], display: Any, group_size: int, summary: dict[str, Any]) -> float:
+    """Start the stream app, learners and agents, wait for the learners' steps or the time budget, stop
+    them all so that the last step is published; returns the seconds it took. ``clock``: when the run
+    started and what the evaluation before took; the after-eval costs that, a little more while the last
+    checkpoint loads and the other components stop: that is kept back, not more (every second is training)."""
+    started, eval_s = clock
+    deadline = started + cfg.time_budget_s - (1.5 * eval_s + 30.0)
+    train_started = time.monotonic()
+    for name in ("stream", *metrics):
+        procs.start(name, *argv[name])
+    if display is not None:
+        display.phase(f"training: {cfg.steps} learner steps")
+    agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
+    if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
+        procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
+    else:
+        for name in agents:
+            procs.start(name, *argv[name])
+    summary["hints"] = {}  # what stuck_hint said, and at which step it first did
+    summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline, display,
+                                                               group_size, summary["hints"])
+    if summary["stopped_by_time_budget"]:
+        # said loudly: a slow or busy machine otherwise shows only "learner steps: 0" at the end
+        log.warning("time budget: training stopped after %d of %d learner steps (%.0f s budget, the evaluation "
+                    "before took %.0f s and as much is kept for the one after); raise --time-budget",
+                    min(len(_steps(p)) for p in metrics.values()), cfg.steps, cfg.time_budget_s, eval_s)
+    if display is not None:
+        display.phase("stopping the agents and learners")
+    for name in reversed(agents):
+        procs.stop(name)
+    # SIGTERM: the learner finishes the step it is in and publishes it. Left running, it went on
+    # training on groups already in flight and the worker reloaded mid-evaluation.
+    for name in metrics:
+        procs.stop(name, timeout=300)
+    return round(time.monotonic() - train_started, 1)
 
 
 def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, Any]:

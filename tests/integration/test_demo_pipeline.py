@@ -102,10 +102,19 @@ def test_piped_demo_prints_progress_lines_and_reports_to_trackers(tmp_path: Path
     elapsed = [int(m.group(1)) * 60 + int(m.group(2)) for m in map(PROGRESS.match, (line for _, line in arrived))]
     assert all(b - a <= 60 for a, b in zip(elapsed, elapsed[1:], strict=False)), elapsed
 
+    _assert_the_run_reported(out)
+
+
+def _assert_the_run_reported(out: Path) -> None:
+    """A finished demo's records: the trackers' steps, held-out scores and configs (TensorBoard, MLflow, W&B),
+    each step's timeline, the step plan the learner ran, and the tasks each step held."""
     summary = json.loads((out / "summary.json").read_text())
     tracking = out / "tracking"
     learner_tb = tensorboard_scalars(tracking / "tensorboard" / "policy")
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "step"]
+    records = read_jsonl(out / "metrics.jsonl")
+    rows = [r for r in records if r.get("event") == "step"]
+    # the learner planned its step once, and the tiny model takes every fast path the demo asks for
+    assert [(r["mode"], r["fallbacks"]) for r in records if r.get("event") == "plan"] == [("tree+shared-prefix", {})]
     assert [s for s, _ in learner_tb["reward_mean"]] == [r["step"] for r in rows] == [1, 2]
     pipeline_tb = tensorboard_scalars(tracking / "tensorboard" / "pipeline")
     final = summary["learner_steps"]

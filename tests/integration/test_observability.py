@@ -162,69 +162,80 @@ def test_prometheus_scrapes_the_pipeline_and_status_agrees(stack: dict[str, Any]
         wait_until(lambda: (worker_version(ports["inference"]) or 0) >= 1, 300,
                    "a learner step and the worker's reload of it", procs)
 
-        # Every query of the dashboard returns data (rates need two scrapes with the series present).
-        queries = dashboard_queries()
-        missing: list[tuple[str, str]] = queries
-
-        def all_answer() -> bool:
-            nonlocal missing
-            missing = [(title, q) for title, q in queries if not has_data(query(prom, q))]
-            return not missing
-
-        try:
-            wait_until(all_answer, 120, "every dashboard query to return data", procs)
-        except Exception:
-            pytest.fail(f"dashboard queries without data: {missing}")
-
-        # boltstream status --json against the running pipeline, compared with the components' own reports:
-        # read them, run status, read them again; once nothing moved meanwhile, status must say the same
-        # (a step or a commit between the readings only means another try, at most ATTEMPTS).
-        procs.stop("runner")
-        learner_metrics = f"http://127.0.0.1:{ports['learner']}/metrics"
-        stream_metrics = f"http://127.0.0.1:{ports['stream']}/metrics"
-
-        def components() -> dict[str, Any]:
-            health = get_json(f"{worker_url}/health")
-            learner = metric_values(get_text(learner_metrics))
-            return {"served": health["policy_version"], "learner_step": learner.get("learner_step"),
-                    "learner_version": learner.get("learner_version"), "stream_lag": stream_lag(stream_metrics)}
-
-        def says(report: dict[str, Any]) -> dict[str, Any]:
-            worker = report["workers"][0]
-            return {"served": worker["policy_version"] if worker["healthy"] else None,
-                    "learner_step": report["learner"]["policy"]["learner_step"],
-                    "learner_version": report["learner"]["policy"]["version"],
-                    "stream_lag": report["groups"][f"{settings.namespace}stream"]["lag"]}
-
-        tries = []
-        for _ in range(ATTEMPTS):
-            before = components()
-            report = status(boltstream_cmd, env, "--worker", worker_url, "--metrics", learner_metrics)
-            after = components()
-            tries.append((before, says(report), after))
-            if before == after == says(report):
-                break
-        else:
-            pytest.fail(f"status never matched the components (before, status, after): {tries}")
-        assert report["metrics"][0]["learner_step"] == before["learner_step"]
-        assert before["learner_step"] >= 1 and before["served"] >= 1
-        assert report["topics"][settings.topic("spans")]["records_end"] > 0
-        # the paced runner left tasks untaken: its group's lag is the tasks its log never names
-        started = set(re.findall(r"task (\S+) attempt \d+:", procs.log_path("runner").read_text()))
-        assert report["groups"][f"{settings.namespace}runners"]["lag"] == len(train) - len(started) > 0
-        # The same broker found through the embedded stack's state file alone (no BOLTSTREAM_* variables).
-        bare = {k: v for k, v in env.items() if not k.startswith("BOLTSTREAM_")}
-        assert stack.get("state_file"), stack
-        by_state = status(boltstream_cmd, bare, "--state-file", str(stack["state_file"]), "--namespace",
-                          settings.namespace)
-        assert by_state["topics"].keys() == report["topics"].keys()
-        assert by_state["groups"].keys() == report["groups"].keys()
-        # and for people: the same facts as lines
-        text = subprocess.run([*boltstream_cmd, "status", "--worker", worker_url], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert text.returncode == 0, text.stderr[-3000:]
-        assert f"{worker_url}: policy v{before['served']}" in text.stdout, text.stdout
-        assert f"policy: version {before['learner_version']:g}, step {before['learner_step']:g}" in text.stdout
-        assert f"{settings.namespace}runners: {settings.topic('tasks')} {len(train) - len(started)}" in text.stdout
+        _every_dashboard_query_answers(prom, procs)
+        _status_agrees_with_the_components(procs, settings, env, stack, boltstream_cmd, ports, len(train))
     finally:
         procs.stop_all()
+
+
+def _every_dashboard_query_answers(prom: str, procs: Processes) -> None:
+    """Every query of the dashboard returns data (rates need two scrapes with the series present)."""
+    queries = dashboard_queries()
+    missing: list[tuple[str, str]] = queries
+
+    def all_answer() -> bool:
+        nonlocal missing
+        missing = [(title, q) for title, q in queries if not has_data(query(prom, q))]
+        return not missing
+
+    try:
+        wait_until(all_answer, 120, "every dashboard query to return data", procs)
+    except Exception:
+        pytest.fail(f"dashboard queries without data: {missing}")
+
+
+def _status_agrees_with_the_components(procs: Processes, settings: Settings, env: dict[str, str], stack: dict[str, Any],
+                                       boltstream_cmd: list[str], ports: dict[str, int], tasks: int) -> None:
+    """``boltstream status --json`` against the running pipeline, compared with the components' own reports:
+    read them, run status, read them again; once nothing moved meanwhile, status must say the same (a step
+    or a commit between the readings only means another try, at most ATTEMPTS)."""
+    worker_url = f"http://127.0.0.1:{ports['inference']}"
+    procs.stop("runner")
+    learner_metrics = f"http://127.0.0.1:{ports['learner']}/metrics"
+    stream_metrics = f"http://127.0.0.1:{ports['stream']}/metrics"
+
+    def components() -> dict[str, Any]:
+        health = get_json(f"{worker_url}/health")
+        learner = metric_values(get_text(learner_metrics))
+        return {"served": health["policy_version"], "learner_step": learner.get("learner_step"),
+                "learner_version": learner.get("learner_version"), "stream_lag": stream_lag(stream_metrics)}
+
+    def says(report: dict[str, Any]) -> dict[str, Any]:
+        worker = report["workers"][0]
+        return {"served": worker["policy_version"] if worker["healthy"] else None,
+                "learner_step": report["learner"]["policy"]["learner_step"],
+                "learner_version": report["learner"]["policy"]["version"],
+                "stream_lag": report["groups"][f"{settings.namespace}stream"]["lag"]}
+
+    tries = []
+    for _ in range(ATTEMPTS):
+        before = components()
+        report = status(boltstream_cmd, env, "--worker", worker_url, "--metrics", learner_metrics)
+        after = components()
+        tries.append((before, says(report), after))
+        if before == after == says(report):
+            break
+    else:
+        pytest.fail(f"status never matched the components (before, status, after): {tries}")
+    assert report["metrics"][0]["learner_step"] == before["learner_step"]
+    assert "step_fallbacks" not in report["metrics"][0]  # the tiny model takes every path its config asks for
+    assert 'boltstream_learner_step_mode{model="policy",path="prefix_tree",reason=""} 1.0' in get_text(learner_metrics)
+    assert before["learner_step"] >= 1 and before["served"] >= 1
+    assert report["topics"][settings.topic("spans")]["records_end"] > 0
+    # the paced runner left tasks untaken: its group's lag is the tasks its log never names
+    started = set(re.findall(r"task (\S+) attempt \d+:", procs.log_path("runner").read_text()))
+    assert report["groups"][f"{settings.namespace}runners"]["lag"] == tasks - len(started) > 0
+    # The same broker found through the embedded stack's state file alone (no BOLTSTREAM_* variables).
+    bare = {k: v for k, v in env.items() if not k.startswith("BOLTSTREAM_")}
+    assert stack.get("state_file"), stack
+    by_state = status(boltstream_cmd, bare, "--state-file", str(stack["state_file"]), "--namespace",
+                      settings.namespace)
+    assert by_state["topics"].keys() == report["topics"].keys()
+    assert by_state["groups"].keys() == report["groups"].keys()
+    # and for people: the same facts as lines
+    text = subprocess.run([*boltstream_cmd, "status", "--worker", worker_url], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert f"{worker_url}: policy v{before['served']}" in text.stdout, text.stdout
+    assert f"policy: version {before['learner_version']:g}, step {before['learner_step']:g}" in text.stdout
+    assert f"{settings.namespace}runners: {settings.topic('tasks')} {tasks - len(started)}" in text.stdout
