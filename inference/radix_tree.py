@@ -66,19 +66,10 @@ class PrefixTree(Generic[P]):
         now = self._tick()
         root.last_used = now
         path: list[tuple[P, int]] = []
-        node, pos = root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            k = _common(child.edge, tokens, pos)
+        for child, _, k in _descend(root, tokens):
             child.last_used = now
             assert child.payload is not None
             path.append((child.payload, k))
-            pos += k
-            if k < len(child.edge):
-                break
-            node = child
         return path
 
     def insert(self, namespace: Hashable, tokens: Sequence[int], make: Callable[[int, int], P]) -> int:
@@ -90,16 +81,11 @@ class PrefixTree(Generic[P]):
         now = self._tick()
         root.last_used = now
         node, pos = root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            k = _common(child.edge, tokens, pos)
+        for child, start, k in _descend(root, tokens):
             if k < len(child.edge):
-                child = self._split_node(child, k)
+                child = self._split_node(child, k)  # the walk ends here: nothing below it is visited
             child.last_used = now
-            pos += k
-            node = child
+            node, pos = child, start + k
         added = len(tokens) - pos
         if added:
             payload = make(pos, len(tokens))
@@ -178,6 +164,22 @@ class PrefixTree(Generic[P]):
         if root is not None:
             walk(root)
         return out
+
+
+def _descend(root: _Node[P], tokens: Sequence[int]) -> Iterator[tuple[_Node[P], int, int]]:
+    """The edges ``tokens`` follows down from ``root``, each as (node, position of the edge's first token
+    in ``tokens``, how many of its tokens match); only the last may match in part."""
+    node, pos = root, 0
+    while pos < len(tokens):
+        child = node.children.get(tokens[pos])
+        if child is None:
+            return
+        k = _common(child.edge, tokens, pos)
+        partial = k < len(child.edge)  # decided before the caller may split the node
+        yield child, pos, k
+        if partial:
+            return
+        node, pos = child, pos + k
 
 
 def _common(edge: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:

@@ -101,3 +101,14 @@ def test_namespaces_never_share_entries_and_drop_alone() -> None:
     assert _matched(tree, [1, 2, 3], ns="a") == [1, 2, 3]
     assert (tree.bytes, tree.tokens, tree.evictions) == (30, 3, 0)
     tree.drop("missing")  # nothing to drop: no error
+
+
+def test_a_split_near_the_end_of_a_long_edge_stores_the_rest_below_it() -> None:
+    """The edge splits after 8 of its 10 tokens: the new tokens hang below the upper part, not below the
+    two-token tail (which a walk going on after the split would reach)."""
+    tree = _tree()
+    _insert(tree, list(range(1, 11)))
+    assert _insert(tree, [*range(1, 9), 99, 100]) == 2
+    assert _matched(tree, [*range(1, 9), 99, 100]) == [*range(1, 9), 99, 100]
+    assert _matched(tree, list(range(1, 11))) == list(range(1, 11))
+    assert (tree.bytes, tree.tokens) == (120, 12)
