@@ -103,12 +103,14 @@ def test_namespaces_never_share_entries_and_drop_alone() -> None:
     tree.drop("missing")  # nothing to drop: no error
 
 
-def test_a_split_near_the_end_of_a_long_edge_stores_the_rest_below_it() -> None:
-    """The edge splits after 8 of its 10 tokens: the new tokens hang below the upper part, not below the
-    two-token tail (which a walk going on after the split would reach)."""
+def test_a_split_edge_ends_the_walk_even_where_its_tail_has_a_matching_child() -> None:
+    """[1..8, 20, ...] splits the edge [1..10] after 8 tokens; the tail [9, 10] has a child starting with 20,
+    which the new tokens must not be hung below (they do not follow 9, 10)."""
     tree = _tree()
     _insert(tree, list(range(1, 11)))
-    assert _insert(tree, [*range(1, 9), 99, 100]) == 2
-    assert _matched(tree, [*range(1, 9), 99, 100]) == [*range(1, 9), 99, 100]
-    assert _matched(tree, list(range(1, 11))) == list(range(1, 11))
-    assert (tree.bytes, tree.tokens) == (120, 12)
+    _insert(tree, [*range(1, 11), 20, 21])
+    new = [*range(1, 9), 20, 21, 22]
+    assert _insert(tree, new) == 3
+    assert _matched(tree, new) == new
+    assert _matched(tree, [*range(1, 11), 20, 21]) == [*range(1, 11), 20, 21]
+    assert (tree.bytes, tree.tokens) == (150, 15)
