@@ -19,8 +19,8 @@ those differences should be encoded once:
   Never use ``end_offsets()``/``highwater()`` to decide "caught up" or lag;
   use :func:`log_end_offsets`, which reads the last batch to find the true end.
 * A SCRAM refusal (RFC 5802 server-final ``e=unknown-user``, ``e=invalid-proof``) reaches aiokafka 0.14
-  as ``KeyError('v')``; :func:`_scram_refusal_is_an_auth_error` turns it into
-  ``AuthenticationFailedError`` naming the broker's reason, for every client of this process.
+  as ``KeyError('v')``; importing this module turns it into ``AuthenticationFailedError`` naming the
+  broker's reason, for every client of this process (:mod:`.aiokafka_internals`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from aiokafka.conn import create_conn
 from aiokafka.errors import AuthenticationFailedError, KafkaError, UnsupportedSaslMechanismError
 from aiokafka.helpers import create_ssl_context
 
+from boltstream.broker import aiokafka_internals
 from boltstream.config import Settings
 from boltstream.errors import BoltstreamError
 
@@ -50,28 +51,7 @@ HEARTBEAT_INTERVAL_MS = 2_000
 DEFAULT_LINGER_MS = 5
 
 
-def _scram_refusal_is_an_auth_error() -> None:
-    """Patch aiokafka's SCRAM client so a broker's refusal is an authentication error, not KeyError('v').
-
-    Without it a wrong password or an unknown user surfaces as "unable to bootstrap" after the
-    whole timeout, with ``KeyError: 'v'`` in the log; with it, the broker's own reason.
-    """
-    from aiokafka import conn
-
-    original = conn.ScramAuthenticator.process_server_final_message
-    if getattr(original, "_boltstream", False):
-        return
-
-    def process_server_final_message(self: Any, server_final: str) -> None:
-        if server_final.startswith("e="):
-            raise AuthenticationFailedError(f"the broker refused SCRAM authentication: {server_final[2:]}")
-        original(self, server_final)
-
-    process_server_final_message._boltstream = True  # type: ignore[attr-defined]
-    conn.ScramAuthenticator.process_server_final_message = process_server_final_message
-
-
-_scram_refusal_is_an_auth_error()
+aiokafka_internals.scram_refusal_is_an_auth_error()
 
 
 class BrokerUnavailableError(BoltstreamError, TimeoutError):

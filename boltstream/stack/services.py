@@ -62,7 +62,9 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     async test or the demo), a private loop in a helper thread while the caller
     blocks, which is what a sync API means.
     """
-    if asyncio._get_running_loop() is None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs in this thread
         return _run_private(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="boltstream-sync") as pool:
         return pool.submit(_run_private, coro).result()
