@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.boltstream-installed
 PIP_Q  := --quiet --disable-pip-version-check
 
-.PHONY: system demo seeds test test-unit test-integration vllm-env bench chaos fuzz lint format clean
+.PHONY: system demo seeds suite test test-unit test-integration vllm-env bench chaos fuzz lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,13 @@ demo: $(STAMP) system
 # --update-readme ...); benchmarks/results/demo_seeds.md and .json.
 seeds: $(STAMP) system
 	$(PY) benchmarks/demo_seeds.py $(SEEDS_ARGS)
+
+# Every example agent trained by `boltstream train` at its defaults on seeds 0 and 1, and the single-call ones by
+# TRL's GRPOTrainer beside it (the trl extra), as the README's suite table (SUITE_ARGS: --agents calc,extract
+# --seeds 0 --update-readme ...); benchmarks/results/agent_suite.md and .json.
+suite: $(STAMP) system
+	$(PIP) install $(PIP_Q) -e '.[trl]'
+	$(PY) benchmarks/agent_suite.py $(SUITE_ARGS)
 
 # One pytest worker per core (TEST_WORKERS=0: one process): most integration tests wait on
 # process start-ups and consumer-group joins, so two run in the time of one on 2 cores.

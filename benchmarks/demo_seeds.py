@@ -143,11 +143,13 @@ def table(results: Sequence[SeedResult]) -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, content: str, source: str = "README.md") -> str:
+def replace_block(text: str, content: str, source: str = "README.md", markers: tuple[str, str] = (BEGIN, END)
+                  ) -> str:
     """``text`` with what lies between the markers replaced by ``content`` (the markers stay)."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"{source}: needs exactly one {BEGIN} followed by one {END} around the demo table")
-    return text[:text.index(BEGIN) + len(BEGIN)] + "\n" + content + "\n" + text[text.index(END):]
+    begin, end = markers
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{source}: needs exactly one {begin} followed by one {end} around the table")
+    return text[:text.index(begin) + len(begin)] + "\n" + content + "\n" + text[text.index(end):]
 
 
 def summary_path(path: Path) -> Path:
