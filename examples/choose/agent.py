@@ -9,11 +9,12 @@ hands the same two to TRL).
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
 from openai import OpenAI
+
+from .. import endpoint
 
 SYSTEM = 'Answer the question with one of the options. Reply with one line of JSON: {"answer": "<option>"}.'
 TEMPERATURE = 1.0
@@ -44,6 +45,4 @@ def choose(client: OpenAI, task: dict[str, Any], model: str = "policy") -> str:
 
 def solve(task: dict[str, Any], ctx: Any) -> float:
     """Entry point for ``boltstream train --agent boltstream.examples.choose.agent:solve``."""
-    client = OpenAI(base_url=ctx.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-                    default_headers=ctx.headers, max_retries=0)
-    return reward(task, choose(client, task, os.environ.get("AGENT_MODEL", "policy")))
+    return reward(task, choose(endpoint.client(ctx), task, endpoint.model_name()))

@@ -8,9 +8,9 @@ and test splits never share a question.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
+
+from ..task_files import write_splits
 
 NAMES = ["Anna", "Ben", "Carla", "Dev", "Elif", "Femi", "Gus", "Hana", "Ines", "Jon", "Kai", "Lea", "Milo",
          "Nora", "Otto", "Pia", "Raj", "Sara", "Theo", "Uma"]
@@ -49,17 +49,5 @@ def train_test(n_train: int = 256, n_test: int = 32, seed: int = 0) -> tuple[lis
     return generate(n_train, seed, "train", exclude={t["question"] for t in test}), test
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="write the choice agent's tasks as JSONL")
-    p.add_argument("--train", default="choose_train.jsonl")
-    p.add_argument("--test", default="choose_test.jsonl")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for path, tasks in zip((args.train, args.test), train_test(seed=args.seed), strict=True):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(t) + "\n" for t in tasks)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(write_splits("choose", train_test))

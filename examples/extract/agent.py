@@ -9,12 +9,12 @@ hands the same two to TRL).
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
 from openai import OpenAI
 
+from .. import endpoint
 from .tasks import FIELDS
 
 SYSTEM = ("Extract the person's details from the sentence. Reply with one line of JSON with the keys "
@@ -49,6 +49,4 @@ def extract(client: OpenAI, task: dict[str, Any], model: str = "policy") -> str:
 
 def solve(task: dict[str, Any], ctx: Any) -> float:
     """Entry point for ``boltstream train --agent boltstream.examples.extract.agent:solve``."""
-    client = OpenAI(base_url=ctx.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-                    default_headers=ctx.headers, max_retries=0)
-    return reward(task, extract(client, task, os.environ.get("AGENT_MODEL", "policy")))
+    return reward(task, extract(endpoint.client(ctx), task, endpoint.model_name()))

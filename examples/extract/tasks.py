@@ -7,9 +7,9 @@ sentence.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
+
+from ..task_files import write_splits
 
 FIRST = ["Maria", "John", "Aisha", "Wei", "Olga", "Carlos", "Priya", "Tom", "Fatima", "Lars", "Yuki", "Ana",
          "Peter", "Nadia", "Omar", "Grace", "Ivan", "Lena", "Kofi", "Sofia"]
@@ -50,17 +50,5 @@ def train_test(n_train: int = 256, n_test: int = 32, seed: int = 0) -> tuple[lis
     return generate(n_train, seed, "train", exclude={t["sentence"] for t in test}), test
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="write the extraction agent's tasks as JSONL")
-    p.add_argument("--train", default="extract_train.jsonl")
-    p.add_argument("--test", default="extract_test.jsonl")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for path, tasks in zip((args.train, args.test), train_test(seed=args.seed), strict=True):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(t) + "\n" for t in tasks)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(write_splits("extract", train_test))

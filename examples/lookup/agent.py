@@ -10,7 +10,6 @@ OpenAI-compatible endpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
@@ -18,6 +17,7 @@ from openai import OpenAI
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from .. import endpoint
 from .corpus import entry
 
 tracer = trace.get_tracer("examples.lookup")
@@ -73,6 +73,4 @@ def reward(task: dict[str, Any], answer: str | None) -> float:
 
 def solve(task: dict[str, Any], ctx: Any) -> float:
     """Entry point for ``boltstream train --agent boltstream.examples.lookup.agent:solve``."""
-    client = OpenAI(base_url=ctx.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-                    default_headers=ctx.headers, max_retries=0)
-    return reward(task, run_agent(client, task["question"], os.environ.get("AGENT_MODEL", "policy")))
+    return reward(task, run_agent(endpoint.client(ctx), task["question"], endpoint.model_name()))

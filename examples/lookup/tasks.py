@@ -6,10 +6,9 @@ entry, not the answers themselves.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 
+from ..task_files import write_splits
 from .corpus import CORPUS
 
 QUESTIONS = {"capital": "What is the capital of the island of {name}?",
@@ -31,17 +30,5 @@ def train_test(n_train: int = 256, n_test: int = 32, seed: int = 0) -> tuple[lis
     return generate(islands[16:], n_train, seed, "train"), generate(islands[:16], n_test, seed + 1, "test")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="write the lookup agent's tasks as JSONL")
-    p.add_argument("--train", default="lookup_train.jsonl")
-    p.add_argument("--test", default="lookup_test.jsonl")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for path, tasks in zip((args.train, args.test), train_test(seed=args.seed), strict=True):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(t) + "\n" for t in tasks)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(write_splits("lookup", train_test))

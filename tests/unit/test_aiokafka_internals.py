@@ -3,22 +3,17 @@ one the contract was checked with, and a SCRAM refusal becomes an authentication
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 import pytest
 from aiokafka import conn
 from aiokafka.errors import AuthenticationFailedError
 
 from boltstream.broker import aiokafka_internals, kafka  # noqa: F401 - importing kafka applies the patch
+from tests.fences import assert_checked
 
 
 @pytest.mark.parametrize("dist", sorted(aiokafka_internals.CHECKED_WITH))
 def test_the_installed_version_is_one_the_contract_was_checked_with(dist: str) -> None:
-    installed, checked = version(dist), aiokafka_internals.CHECKED_WITH[dist]
-    assert installed in checked, (
-        f"{dist} {installed} is installed, but boltstream/broker/aiokafka_internals.py was checked with "
-        f"{', '.join(checked)} only: check the contract in its docstring against this version, then add it "
-        "to CHECKED_WITH")
+    assert_checked(aiokafka_internals, dist)
 
 
 def test_a_scram_refusal_names_the_brokers_reason() -> None:

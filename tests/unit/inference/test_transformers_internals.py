@@ -3,21 +3,16 @@ installed version is one the contract was checked with, and the contract holds o
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 import pytest
 
 from boltstream.inference import transformers_internals
 from boltstream.learner.tiny import tiny_llama
+from tests.fences import assert_checked
 
 
 @pytest.mark.parametrize("dist", sorted(transformers_internals.CHECKED_WITH))
 def test_the_installed_version_is_one_the_contract_was_checked_with(dist: str) -> None:
-    installed, checked = version(dist), transformers_internals.CHECKED_WITH[dist]
-    assert installed in checked, (
-        f"{dist} {installed} is installed, but inference/transformers_internals.py was checked with "
-        f"{', '.join(checked)} only: check the contract in its docstring against this version, then add it "
-        "to CHECKED_WITH")
+    assert_checked(transformers_internals, dist)
 
 
 def test_the_cache_internals_hold() -> None:

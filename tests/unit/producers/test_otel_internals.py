@@ -3,22 +3,18 @@ are the ones the contract was checked with, and the contract holds on them."""
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 import pytest
 from opentelemetry import propagate
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 
 from boltstream.producers import otel_internals
+from tests.fences import assert_checked
 
 
 @pytest.mark.parametrize("dist", sorted(otel_internals.CHECKED_WITH))
 def test_the_installed_version_is_one_the_contract_was_checked_with(dist: str) -> None:
-    installed, checked = version(dist), otel_internals.CHECKED_WITH[dist]
-    assert installed in checked, (
-        f"{dist} {installed} is installed, but producers/otel_internals.py was checked with {', '.join(checked)} "
-        "only: check the contract in its docstring against this version, then add it to CHECKED_WITH")
+    assert_checked(otel_internals, dist)
 
 
 def test_the_private_paths_are_taken_on_this_version() -> None:
