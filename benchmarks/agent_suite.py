@@ -37,6 +37,8 @@ from typing import Any
 
 from demo_seeds import SIGNIFICANT_SE, replace_block
 
+from boltstream.config import DEFAULT_GROUP_SIZE
+from boltstream.learner.config import LearnerConfig
 from boltstream.weights.models import cpu_facts, describe_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,10 +60,11 @@ class Agent:
     env: tuple[tuple[str, str], ...] = ()
     single_call: bool = False  # TRL runs it too (a prompt and a reward: what GRPOTrainer takes)
     instrumented: bool = False  # the agent's own spans need opentelemetry-instrument (an LLM client per role)
+    package: str = ""  # the example it runs, when not its name
 
     @property
     def module(self) -> str:
-        return f"{EXAMPLES}.{self.name}"
+        return f"{EXAMPLES}.{self.package or self.name}"
 
 
 SUITE = (
@@ -69,6 +72,12 @@ SUITE = (
     Agent("extract", "single call, JSON fields", single_call=True),
     Agent("choose", "single call, choice with a distractor", single_call=True),
     Agent("lookup", "multi-turn retrieval over a shipped corpus"),
+    # Zero code: the calculator as a program of its own under opentelemetry-instrument, rewards sent back
+    # later as feedback by completion id; as many attempts and questions per version as the defaults group.
+    Agent("calc-zero-code", "zero code, delayed feedback (calculator program)",
+          ("--agent-program", "-m boltstream.examples.calc.standalone --tasks {train} --base-url {base_url} "
+           f"--attempts {DEFAULT_GROUP_SIZE} --tasks-per-version {LearnerConfig().groups_per_step}"),
+          package="calc"),
     Agent("sql", "two roles (writer trained, answerer frozen)",
           ("--air-rules-file", "examples/sql/air.yaml", "--roles", "writer=^sql_writer$",
            "--frozen-roles", "answerer=^answerer$"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from boltstream.examples.calc import tasks as calc_tasks
+from boltstream.runs.pipeline import ZERO_CODE_PROMPT_WINDOW_S
 from boltstream.runs.progress import choose_display
 from boltstream.runs.train import add_arguments, config_from_args, print_summary, run, stop_on_sigterm
 
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
     stream: dict[str, Any] = {"call_credit": "episode", "air_rules_file": CALC_AIR_RULES, "grace_s": 1.0}
     zero_code: dict[str, Any] = {}
     if args.zero_code:  # attempts at one question share its first prompt: the stream app groups them by it
-        stream["prompt_window_s"] = 600.0
+        stream["prompt_window_s"] = ZERO_CODE_PROMPT_WINDOW_S
         zero_code["agent_program"] = (
             "-m", "boltstream.examples.calc.standalone", "--tasks", str(data / "train.jsonl"),
             "--base-url", "{base_url}", "--attempts", str(group_size), "--temperature", str(args.temperature),

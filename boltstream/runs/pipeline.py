@@ -43,6 +43,9 @@ MODEL_NAME = "policy"
 INSTRUMENT = str(Path(sys.executable).with_name("opentelemetry-instrument"))
 # What an agent under ``opentelemetry-instrument`` needs to export its traces to boltstream, plus the
 # standard exclusion that keeps the program's own plumbing (pacing polls, feedback posts) off the log.
+# A zero-code agent's attempts carry no task id: the stream app groups them by their first prompt, within
+# a window as long as a run (the default minute suits live traffic, not a training run's paced questions).
+ZERO_CODE_PROMPT_WINDOW_S = 600.0
 ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream", "OTEL_PYTHON_EXCLUDED_URLS": "/health,/feedback"}
 
 

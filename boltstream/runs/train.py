@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
+import shlex
 import shutil
 import signal
 import sys
@@ -36,6 +37,7 @@ from boltstream.monitoring.tracking import Trackers, open_trackers
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
     ZERO_CODE_ENV,
+    ZERO_CODE_PROMPT_WINDOW_S,
     PipelineConfig,
     component_env,
     evaluate,
@@ -386,13 +388,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", required=True, help="module:function of your agent (see docs/producers.md)")
     p.add_argument("--train", type=Path, required=True, help="training tasks (JSONL)")
     p.add_argument("--test", type=Path, required=True, help="held-out tasks (JSONL)")
+    p.add_argument("--agent-program", metavar="ARGS",
+                   help="zero code: run the agent as a program of its own, `python ARGS` under "
+                        "opentelemetry-instrument, instead of the runner calling --agent ({base_url} and {train} "
+                        "are replaced; its rewards come back as feedback). --agent still scores the held-out "
+                        "tasks; attempts are grouped by their first prompt (docs/zero-code.md)")
     add_arguments(p)
     return p
 
 
+def zero_code(program: str | None, train: Path) -> dict[str, Any]:
+    """What ``--agent-program`` adds to a run: the program's arguments, and a stream app that groups the
+    attempts at one question by their first prompt for as long as a run takes (they carry no task id)."""
+    if not program:
+        return {}
+    return {"agent_program": tuple(a.replace("{train}", str(train)) for a in shlex.split(program)),
+            "stream": {"prompt_window_s": ZERO_CODE_PROMPT_WINDOW_S}}
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test)
+    cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test,
+                           **zero_code(args.agent_program, args.train))
     stop_on_sigterm()
     with choose_display("boltstream train", args.no_live) as display:
         summary = run(cfg, external=args.external, display=display)

@@ -68,3 +68,25 @@ def test_the_flags_reach_the_run(run_cfg: PipelineConfig, tmp_path: Path) -> Non
     args = p.parse_args(["--roles", "writer=^sql_writer$, checker", "--frozen-roles", "answerer"])
     cfg = config_from_args(args, tmp_path / "out", agent=run_cfg.agent, train=run_cfg.train, test=run_cfg.test)
     assert (cfg.roles, cfg.frozen_roles) == (("writer=^sql_writer$", "checker"), ("answerer",))
+
+
+def test_an_agent_program_replaces_the_runner_and_groups_attempts_by_prompt(tmp_path: Path) -> None:
+    """``boltstream train --agent-program``: the program runs under opentelemetry-instrument with the run's
+    endpoint and training tasks filled in, no runner or task publisher starts, and the stream app groups the
+    attempts by their first prompt for as long as a run."""
+    from boltstream.runs.pipeline import INSTRUMENT, ZERO_CODE_PROMPT_WINDOW_S
+    from boltstream.runs.train import parser, zero_code
+
+    train, test = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    for path in (train, test):
+        path.write_text('{"question": "1 + 1?", "answer": 2}\n')
+    args = parser().parse_args(["--agent", "boltstream.examples.calc.agent:solve", "--train", str(train), "--test",
+                                str(test), "--agent-program", "-m boltstream.examples.calc.standalone --tasks "
+                                "{train} --base-url {base_url}"])
+    cfg = config_from_args(args, tmp_path, agent=args.agent, train=args.train, test=args.test,
+                           **zero_code(args.agent_program, args.train))
+    argv = cfg.argv(port=8000, base_url="http://127.0.0.1:8000/v1", metrics_path=tmp_path / "m.jsonl")
+    assert argv["agent"][0] == INSTRUMENT and argv["agent"][2:] == [
+        "-m", "boltstream.examples.calc.standalone", "--tasks", str(train), "--base-url", "http://127.0.0.1:8000/v1"]
+    assert cfg.stream_config().prompt_window_s == ZERO_CODE_PROMPT_WINDOW_S
+    assert zero_code(None, args.train) == {}
