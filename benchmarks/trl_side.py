@@ -13,6 +13,7 @@ inference worker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from importlib.metadata import version
@@ -60,12 +61,12 @@ def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: 
     from trl import GRPOConfig, GRPOTrainer
 
     started = time.monotonic()
-    learner, step, pipeline = LearnerConfig(lora=True), StepConfig(), PipelineConfig(agent="-", train=train_path,
-                                                                                     test=test_path)
+    learner, step = LearnerConfig(lora=True), StepConfig()
+    eval_samples = next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == "eval_samples")
     group_size, lr = DEFAULT_GROUP_SIZE, learner.lr or DEFAULT_LR["lora"]
     model, tokenizer = load_model("smollm2", seed=seed)
     test = _tasks(test_path)
-    before = score(model, tokenizer, agent, test, pipeline.eval_samples, seed)
+    before = score(model, tokenizer, agent, test, eval_samples, seed)
     rows = [{"prompt": agent.messages(t), "task": json.dumps(t)} for t in _tasks(train_path)]
 
     def reward(prompts: list[Any], completions: list[Any], task: list[str], **_: Any) -> list[float]:
@@ -89,7 +90,7 @@ def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: 
     train_started = time.monotonic()
     trainer.train()
     train_s = time.monotonic() - train_started
-    after = score(trainer.model, tokenizer, agent, test, pipeline.eval_samples, seed)
+    after = score(trainer.model, tokenizer, agent, test, eval_samples, seed)
     diffs = [a - b for a, b in zip(after["per_task"], before["per_task"], strict=True)]
     improvement, improvement_se = mean_and_se(diffs)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
