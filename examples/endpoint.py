@@ -18,3 +18,10 @@ def client(ctx: Any) -> OpenAI:
 def model_name(default: str = "policy") -> str:
     """The served model the agent asks for (``AGENT_MODEL``; the worker's default name otherwise)."""
     return os.environ.get("AGENT_MODEL", default)
+
+
+def reply(client: OpenAI, messages: list[dict[str, str]], model: str, temperature: float, max_tokens: int) -> str:
+    """One chat completion's text (empty when the model said nothing)."""
+    out = client.chat.completions.create(model=model, messages=messages, temperature=temperature,
+                                         max_tokens=max_tokens)
+    return out.choices[0].message.content or ""

@@ -42,9 +42,7 @@ def reward(task: dict[str, Any], text: str) -> float:
 
 
 def extract(client: OpenAI, task: dict[str, Any], model: str = "policy") -> str:
-    reply = client.chat.completions.create(model=model, messages=messages(task), temperature=TEMPERATURE,
-                                           max_tokens=MAX_TOKENS)
-    return reply.choices[0].message.content or ""
+    return endpoint.reply(client, messages(task), model, TEMPERATURE, MAX_TOKENS)
 
 
 def solve(task: dict[str, Any], ctx: Any) -> float:
