@@ -78,8 +78,9 @@ class PipelineConfig:
     runner_workers: int = CONCURRENT_AGENTS
     eval_samples: int = 2
     eval_tasks: int | None = None
-    # Runner pacing: at most this many tasks per served policy version (None: run ahead freely).
-    # groups_per_step keeps every step on-policy and spends no CPU on rollouts the learner would drop.
+    # Runner pacing: at most this many tasks per served policy version (None: the learner's groups a step,
+    # 0: run ahead freely). groups_per_step keeps every step on-policy and spends no CPU on rollouts the
+    # learner would drop; run ahead, a fast agent's samples reached the learner 4 versions old.
     tasks_per_version: int | None = None
     stream: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # StreamConfig overrides
     learner: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # LearnerConfig overrides
@@ -140,7 +141,7 @@ class PipelineConfig:
         group = ["--group-size", str(self.group_size)] if self.group_size else []
         lora = ["--lora"] if self.lora else ["--no-lora"]
         dtype = ["--dtype", self.serve_dtype] if self.serve_dtype else []
-        pacing = ["--tasks-per-version", str(self.tasks_per_version)] if self.tasks_per_version else []
+        pacing = ["--tasks-per-version", str(self.pacing())] if self.pacing() else []
         trained, frozen = self.role_specs()
         stream = dict(self.stream)
         adapters: list[str] = []
@@ -172,6 +173,13 @@ class PipelineConfig:
                        "--base-url", base_url, "--spool-dir", str(self.out / "spool" / "runner"), *pacing],
             "agent": [INSTRUMENT, sys.executable, *(a.replace("{base_url}", base_url) for a in self.agent_program)],
         }
+
+    def pacing(self) -> int:
+        """Tasks the runner starts per served policy version (0: no limit)."""
+        if self.tasks_per_version is not None:
+            return self.tasks_per_version
+        default = next(f.default for f in dataclasses.fields(LearnerConfig) if f.name == "groups_per_step")
+        return int(self.learner.get("groups_per_step", default))
 
     def stream_config(self) -> StreamConfig:
         """What the stream app of this run runs with (broker settings aside)."""

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--tasks-per-version", type=int, default=None,
-      help="runner starts at most N tasks per policy version (N = groups per step: on-policy, no waste)")
+      help="runner starts at most N tasks per policy version (default: the learner's groups per step, which "
+           "keeps every step on-policy and wastes no rollout; 0: no limit)")
     a("--external", action="store_true", help="use the broker/S3 from BOLTSTREAM_* instead of an embedded stack")
     a("--no-live", action="store_true",
       help="one progress line per event instead of the live table (the default when stdout is not a terminal)")

@@ -90,3 +90,17 @@ def test_an_agent_program_replaces_the_runner_and_groups_attempts_by_prompt(tmp_
         "-m", "boltstream.examples.calc.standalone", "--tasks", str(train), "--base-url", "http://127.0.0.1:8000/v1"]
     assert cfg.stream_config().prompt_window_s == ZERO_CODE_PROMPT_WINDOW_S
     assert zero_code(None, args.train) == {}
+
+
+def test_the_runner_is_paced_to_the_learners_groups_a_step_by_default(run_cfg: PipelineConfig, tmp_path: Path) -> None:
+    """Unpaced, a fast agent's rollouts ran ahead and the learner trained samples 4 versions old."""
+
+    def pacing(**changes) -> list[str]:
+        argv = dataclasses.replace(run_cfg, **changes).argv(port=1, base_url="u", metrics_path=tmp_path / "m")
+        runner = argv["runner"]
+        return runner[runner.index("--tasks-per-version"):][:2] if "--tasks-per-version" in runner else []
+
+    assert pacing() == ["--tasks-per-version", "4"]
+    assert pacing(learner={"groups_per_step": 8}) == ["--tasks-per-version", "8"]
+    assert pacing(tasks_per_version=2) == ["--tasks-per-version", "2"]
+    assert pacing(tasks_per_version=0) == []
