@@ -17,13 +17,18 @@ from openai import OpenAI
 from .. import endpoint
 
 SYSTEM = 'Answer the question with one of the options. Reply with one line of JSON: {"answer": "<option>"}.'
+# One worked example (names the tasks never use): enough for the model to follow the format on most tasks.
+EXAMPLE = [
+    {"role": "user", "content": "Zed is shorter than Quin. Who is taller? Options: Ivo, Zed, Quin."},
+    {"role": "assistant", "content": '{"answer": "Quin"}'},
+]
 TEMPERATURE = 1.0
 MAX_TOKENS = 24
 JSON_RE = re.compile(r"\{.*?\}", re.S)
 
 
 def messages(task: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
+    return [{"role": "system", "content": SYSTEM}, *EXAMPLE,
             {"role": "user", "content": f"{task['question']} Options: {', '.join(task['options'])}."}]
 
 

@@ -19,13 +19,18 @@ from .tasks import FIELDS
 
 SYSTEM = ("Extract the person's details from the sentence. Reply with one line of JSON with the keys "
           "name, age, city and job, and nothing else.")
+# One worked example (a person and a job the tasks never use).
+EXAMPLE = [
+    {"role": "user", "content": "Bo Yang, a 52-year-old tailor, lives in Riga."},
+    {"role": "assistant", "content": '{"name": "Bo Yang", "age": 52, "city": "Riga", "job": "tailor"}'},
+]
 TEMPERATURE = 1.0
 MAX_TOKENS = 48
 JSON_RE = re.compile(r"\{.*\}", re.S)
 
 
 def messages(task: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["sentence"]}]
+    return [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task["sentence"]}]
 
 
 def reward(task: dict[str, Any], text: str) -> float:

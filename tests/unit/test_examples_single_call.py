@@ -60,7 +60,7 @@ def test_choice_tasks_ask_both_sides_and_offer_a_name_not_in_the_question() -> N
 def test_choice_reward_needs_the_right_name_in_json(reply: str, expected: float) -> None:
     task = {"question": "Anna is taller than Ben. Who is shorter?", "options": ["Ben", "Cy", "Anna"], "answer": "Ben"}
     assert choose.reward(task, reply) == expected
-    assert "Options: Ben, Cy, Anna." in choose.messages(task)[1]["content"]
+    assert "Options: Ben, Cy, Anna." in choose.messages(task)[-1]["content"]
 
 
 def test_the_lookup_tool_reads_the_corpus_and_its_span_says_when_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
