@@ -96,12 +96,12 @@ def write_tasks(agent: Agent, seed: int, data: Path) -> tuple[Path, Path]:
     return paths
 
 
-def run_boltstream(agent: Agent, seed: int, steps: int, out: Path) -> int:
-    """``boltstream train`` at the defaults, as typed; its log beside the summary it leaves."""
+def run_boltstream(agent: Agent, seed: int, steps: int, out: Path, extra: Sequence[str] = ()) -> int:
+    """``boltstream train`` at the defaults (or with ``extra`` flags), as typed; its log beside its summary."""
     train, test = write_tasks(agent, seed, out / "data")
     cmd = [*(INSTRUMENT if agent.instrumented else ()), "boltstream", "train", "--agent",
            f"{agent.module}.agent:solve", "--train", str(train), "--test", str(test), "--steps", str(steps),
-           "--seed", str(seed), "--out", str(out), "--no-live", *agent.extra]
+           "--seed", str(seed), "--out", str(out), "--no-live", *agent.extra, *extra]
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, **dict(agent.env), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     print(f"$ {shlex.join(cmd)}", flush=True)
@@ -174,9 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trl-seeds", default="0", help="TRL's seeds, single-call agents only ('' for none)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", type=Path, default=ROOT / "out" / "suite")
+    p.add_argument("--extra", default="", help="flags added to every `boltstream train` (settings to compare "
+                                                "with the defaults); needs --label")
+    p.add_argument("--label", default="", help="names the --extra settings in the table: boltstream[LABEL]")
     p.add_argument("--tabulate", action="store_true", help="only tabulate the summaries under --out")
     p.add_argument("--update-readme", action="store_true")
     args = p.parse_args(argv)
+    if bool(args.extra) != bool(args.label):
+        p.error("--extra and --label go together: the table must say which runs had other settings")
+    system = f"boltstream[{args.label}]" if args.label else "boltstream"
     names = args.agents.split(",")
     unknown = set(names) - {a.name for a in SUITE}
     if unknown:
@@ -185,10 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for agent in (a for a in SUITE if a.name in names and not args.tabulate):
         for seed in (int(s) for s in args.seeds.split(",") if s):
             t0 = time.monotonic()
-            rc = run_boltstream(agent, seed, args.steps, args.out / agent.name / f"boltstream-{seed}")
-            print(f"{agent.name} boltstream seed {seed}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+            rc = run_boltstream(agent, seed, args.steps, args.out / agent.name / f"{system}-{seed}",
+                                shlex.split(args.extra))
+            print(f"{agent.name} {system} seed {seed}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
             if rc:
-                failed.append(f"{agent.name} boltstream {seed}")
+                failed.append(f"{agent.name} {system} {seed}")
         for seed in (int(s) for s in args.trl_seeds.split(",") if s and agent.single_call):
             t0 = time.monotonic()
             run_trl(agent, seed, args.steps, args.out / agent.name / f"trl-{seed}")

@@ -1,0 +1,57 @@
+"""benchmarks/agent_suite.py's table from run summaries on disk: rows per agent, system and seed, the paired
+significance mark, and the command line each boltstream run is, as a user types it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_script("demo_seeds")  # agent_suite imports it as the benchmarks folder's sibling
+suite = _script("agent_suite")
+
+
+def summary(before: float, after: float, improvement_se: float, steps: int = 8) -> dict[str, Any]:
+    return {"before": {"score": before}, "after": {"score": after}, "improvement": after - before,
+            "improvement_se": improvement_se, "learner_steps": steps, "wall_s": 120.0, "train_s": 80.0}
+
+
+def test_the_table_holds_every_summary_found(tmp_path: Path) -> None:
+    runs = {("extract", "boltstream-0"): summary(0.25, 0.5, 0.05), ("extract", "trl-0"): summary(0.25, 0.3, 0.05),
+            ("extract", "boltstream[demo]-1"): summary(0.2, 0.2, 0.0)}
+    for (agent, run), data in runs.items():
+        (tmp_path / agent / run).mkdir(parents=True)
+        (tmp_path / agent / run / "summary.json").write_text(json.dumps(data))
+    rows = suite.collect(tmp_path)
+    assert [(r.system, r.seed) for r in rows] == [("boltstream", 0), ("boltstream[demo]", 1), ("trl", 0)]
+    assert [r.significant for r in rows] == [True, False, False]  # +0.25 is 5 SE; +0.05 is 1 SE
+    text = suite.table(rows, "a machine")
+    assert "| extract | boltstream | 0 | 0.250 | 0.500 | +0.250 ± 0.050 (5.0 SE) ✓ | 8 | 120 s | 10.0 s |" in text
+    assert "(no spread)" in text and "Machine: a machine." in text
+
+
+def test_each_boltstream_run_is_the_train_command_at_the_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    ran: list[list[str]] = []
+    monkeypatch.setattr(suite.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or type("P", (), {"returncode": 0}))
+    sql = next(a for a in suite.SUITE if a.name == "sql")
+    assert suite.run_boltstream(sql, 1, 8, tmp_path / "run", ["--lr", "1e-3"]) == 0
+    cmd = ran[0]
+    assert cmd[:len(suite.INSTRUMENT)] == list(suite.INSTRUMENT)  # its roles' spans need the instrumentation
+    assert cmd[cmd.index("train") + 1:][:2] == ["--agent", "boltstream.examples.sql.agent:solve"]
+    assert cmd[-2:] == ["--lr", "1e-3"] and "--roles" in cmd and (tmp_path / "run" / "data" / "train.jsonl").is_file()
