@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.runs.demo import DEMO_GROUPS_PER_STEP
 from boltstream.runs.pipeline import read_jsonl
 from tests.tracking_readers import mlflow_runs, tensorboard_scalars, wandb_run_file
@@ -134,7 +135,8 @@ def _assert_the_run_reported(out: Path) -> None:
     # second's holds the whole cycle, the first checkpoint's publish and the worker's reload included
     t = rows[1]["timeline"]
     assert t["generation_busy_s"] > 0 and t["decode_steps"] > 0 and t["decode_tokens"] > 0, t
-    assert 1.0 <= t["mean_decode_batch"] <= 16 and t["prefill_tokens"] > 0, t
+    # at most every rollout of one version decodes at once (a loaded machine lets more of them overlap)
+    assert 1.0 <= t["mean_decode_batch"] <= DEMO_GROUPS_PER_STEP * DEFAULT_GROUP_SIZE and t["prefill_tokens"] > 0, t
     assert t["checkpoint_publish_s"] > 0 and t["reload_s"] > 0, t
     assert summary["step_time"]["decode_steps"] == sum(r["timeline"]["decode_steps"] for r in rows), summary
     # one partition: the runner takes the tasks in the file's order, so every step holds each operation equally
