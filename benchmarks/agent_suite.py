@@ -38,7 +38,6 @@ from typing import Any
 from demo_seeds import SIGNIFICANT_SE, replace_block
 
 from boltstream.config import DEFAULT_GROUP_SIZE
-from boltstream.learner.config import LearnerConfig
 from boltstream.weights.models import cpu_facts, describe_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +75,7 @@ SUITE = (
     # later as feedback by completion id; as many attempts and questions per version as the defaults group.
     Agent("calc-zero-code", "zero code, delayed feedback (calculator program)",
           ("--agent-program", "-m boltstream.examples.calc.standalone --tasks {train} --base-url {base_url} "
-           f"--attempts {DEFAULT_GROUP_SIZE} --tasks-per-version {LearnerConfig().groups_per_step}"),
+           f"--attempts {DEFAULT_GROUP_SIZE} --tasks-per-version {{tasks_per_version}}"),
           package="calc"),
     Agent("sql", "two roles (writer trained, answerer frozen)",
           ("--air-rules-file", "examples/sql/air.yaml", "--roles", "writer=^sql_writer$",

@@ -74,9 +74,11 @@ class AssemblyConfig:
 class CreditConfig:
     """LightningRL credit assignment and GRPO advantage settings (``boltstream stream worker --help``).
 
-    - ``call_credit``: "return" compares a later call's G_t (which excludes rewards earned before
-      it) with a baseline of episode returns, so with intermediate rewards later calls read as
-      worse than they are; "episode" avoids that at the cost of per-call resolution.
+    - ``call_credit``: "episode" (the default) gives every call its rollout's episode return, as
+      Agent Lightning does. "return" compares a later call's G_t (which excludes rewards earned
+      before it) with a baseline of episode returns, so with intermediate rewards later calls read
+      as worse than they are: the calculator's answer call, after a +0.1 for using the tool, was
+      pushed down on every rollout (docs/learner.md).
     - ``eps``: a group whose episode returns spread by no more than ``eps`` teaches nothing: every
       advantage is 0 (dividing its calls' within-rollout differences by eps would give |A| ~ 1e5).
     - ``std_normalize`` is off by default (Dr. GRPO): dividing by the group's std blew a group whose
@@ -95,7 +97,7 @@ class CreditConfig:
     trajectory_mode: bool = opt(False, "merge calls whose prompt extends the previous prompt + response "
                                        "into one sample, masking the inserted tokens")
     failure_reward: float = opt(0.0, "final reward of a rollout that has none (failed / abandoned)")
-    call_credit: CallCreditMode = opt("return", "a call's advantage from its own return G_t (LightningRL) "
+    call_credit: CallCreditMode = opt("episode", "a call's advantage from its own return G_t (LightningRL) "
                                                 "or from its rollout's episode return")
 
     def __post_init__(self) -> None:

@@ -15,8 +15,9 @@ reward each call gets, pure and deterministic so replays give the same numbers.
   episode returns G_{i,0} (a rollout without trained calls counts with
   G_0 = R_final); A_{i,t} = (G_{i,t} - mean) / (std + eps), or G - mean with
   ``std_normalize=False``; 0 for a group without spread (std <= eps).
-  ``call_credit="episode"`` uses G_{i,0} for every call of rollout i instead. Sample std (n - 1) by default like torch.std/verl/TRL;
-  a group of one has std 0.
+  ``call_credit="episode"`` (the default) uses G_{i,0} for every call of rollout i;
+  ``"return"`` uses each call's G_{i,t}. Sample std (n - 1) by default like
+  torch.std/verl/TRL; a group of one has std 0.
 - Loss weight: 1.0, or 1 / T_i with T_i = number of samples of rollout i (its
   trained calls; in trajectory mode a merged sample counts once).
 - Trajectory mode: consecutive calls whose prompt starts with the previous call's

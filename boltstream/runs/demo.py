@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.examples.calc import tasks as calc_tasks
 from boltstream.runs.pipeline import ZERO_CODE_PROMPT_WINDOW_S
 from boltstream.runs.progress import choose_display
@@ -23,9 +24,6 @@ log = logging.getLogger(__name__)
 # Learner steps: on 2 quiet cores a step is 22-36 s of generation and learning and each held-out
 # evaluation 30-60 s: 8 steps end within 6 minutes (docs/results.md).
 DEMO_STEPS = 8
-# Groups of 4 attempts per learner step: with bf16 generation 8 fit in the demo's 6 minutes, and learned
-# more than 4 on the seeds compared (docs/results.md).
-DEMO_GROUPS_PER_STEP = 8
 # One partition per topic: the runner takes the training tasks in the file's order, which cycles through
 # the four operations, so every step trains on each of them equally. In random order a step could hold
 # four `/` tasks and no `*`, and the policy learned which operation the step favoured instead of which one
@@ -35,9 +33,6 @@ DEMO_PARTITIONS = 1
 # base model never writes `-` on some seeds and most groups of 4 score all alike (advantage 0: nothing to
 # learn from); at 1.0 nearly every group has a spread in the first steps (docs/results.md).
 DEMO_TRAIN_TEMPERATURE = 1.0
-# No lr warmup: of 8 steps a ramp over the first 3 spent most of the early steps, when nearly every group still
-# has a spread, at a third to two thirds of the lr; without it the same seeds learned more (docs/results.md).
-DEMO_LR_WARMUP_STEPS = 0
 # A cap, not a target: the demo ends after its steps. A busy machine can take several
 # times that; the cap only stops a run that would otherwise go on for an hour.
 DEMO_TIME_BUDGET_S = 1500.0
@@ -61,33 +56,24 @@ def main(argv: list[str]) -> int:
     train, test = calc_tasks.train_test(n_train=256, n_test=32, seed=int(args.seed or 0))
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    # 8 steps of 8 groups x 4, lr 1e-3 on every linear layer's adapter from the first step,
-    # no std division (README, docs/results.md). Every call of a rollout shares its advantage: the calculator's AIR
-    # (+0.1 on the CALC call) would otherwise make each ANSWER call look worse than the group's episode
-    # returns (streams/credit.py).
-    groups_per_step = int(args.groups_per_step or DEMO_GROUPS_PER_STEP)
-    group_size = args.group_size or 4
-    tasks_per_version = args.tasks_per_version or groups_per_step
-    # A runner's rollout has every span in the log before its root span (the worker acks each LLM span
-    # before it answers; the runner exports the tool spans ahead of the root), so the wait for late spans
-    # after the root can be short: each step waits for it once.
-    stream: dict[str, Any] = {"call_credit": "episode", "air_rules_file": CALC_AIR_RULES, "grace_s": 1.0}
+    # The learner, stream and pacing settings are `boltstream train`'s defaults (docs/learner.md); the demo
+    # adds only the calculator's own files (its AIR rules), its training temperature, its steps and budget,
+    # and one partition for the task file's order.
+    group_size = args.group_size or DEFAULT_GROUP_SIZE
+    stream: dict[str, Any] = {"air_rules_file": CALC_AIR_RULES}
     zero_code: dict[str, Any] = {}
     if args.zero_code:  # attempts at one question share its first prompt: the stream app groups them by it
         stream["prompt_window_s"] = ZERO_CODE_PROMPT_WINDOW_S
         zero_code["agent_program"] = (
             "-m", "boltstream.examples.calc.standalone", "--tasks", str(data / "train.jsonl"),
             "--base-url", "{base_url}", "--attempts", str(group_size), "--temperature", str(args.temperature),
-            "--tasks-per-version", str(tasks_per_version))
+            "--tasks-per-version", "{tasks_per_version}")
     cfg = config_from_args(
         args, Path("out/demo"), agent=CALC_AGENT, train=data / "train.jsonl",
         test=data / "test.jsonl", steps=args.steps or DEMO_STEPS, group_size=group_size,
         eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
         time_budget_s=args.time_budget or DEMO_TIME_BUDGET_S,
-        # Two cores run generation and training: rollouts the learner would drop as stale are pure loss.
-        tasks_per_version=tasks_per_version, partitions=DEMO_PARTITIONS,
-        learner={"lr": 1e-3, "lr_warmup_steps": DEMO_LR_WARMUP_STEPS, "groups_per_step": groups_per_step},
-        stream=stream,
+        partitions=DEMO_PARTITIONS, stream=stream,
         extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
         **zero_code,
     )

@@ -46,6 +46,11 @@ INSTRUMENT = str(Path(sys.executable).with_name("opentelemetry-instrument"))
 # A zero-code agent's attempts carry no task id: the stream app groups them by their first prompt, within
 # a window as long as a run (the default minute suits live traffic, not a training run's paced questions).
 ZERO_CODE_PROMPT_WINDOW_S = 600.0
+# The stream app's wait for late spans after a rollout's root span. A run's rollouts have every span in the
+# log before their root: the worker acks each LLM span before it answers, and the runner (or the agent
+# program's span processor) exports a rollout's spans in the order they end, the root last. So a run waits
+# 1 s, not the stream app's 3 s for exporters it knows nothing of: ~2 s less idle a step.
+RUN_GRACE_S = 1.0
 ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream", "OTEL_PYTHON_EXCLUDED_URLS": "/health,/feedback"}
 
 
@@ -87,7 +92,7 @@ class PipelineConfig:
     extra_env: tuple[tuple[str, str], ...] = ()
     # A program that plays the agent instead of the runner (zero code: the program runs under
     # ``opentelemetry-instrument`` with env vars only, no tasks topic, no runner). ``{base_url}``
-    # in it is replaced by the worker's URL.
+    # in it is replaced by the worker's URL, ``{tasks_per_version}`` by the run's pacing.
     agent_program: tuple[str, ...] = ()
     # One LoRA adapter per role (docs/multi-agent.md), NAME[=REGEX] over agent names: each trained role gets
     # a learner of its own (`learn --role`); a frozen role only an adapter, which stays at the base weights.
@@ -143,7 +148,7 @@ class PipelineConfig:
         dtype = ["--dtype", self.serve_dtype] if self.serve_dtype else []
         pacing = ["--tasks-per-version", str(self.pacing())] if self.pacing() else []
         trained, frozen = self.role_specs()
-        stream = dict(self.stream)
+        stream = {"grace_s": RUN_GRACE_S, **self.stream}
         adapters: list[str] = []
         if trained:  # the worker serves every role's adapter; the stream app keeps the trained roles' calls
             every = (*trained, *frozen)
@@ -151,6 +156,8 @@ class PipelineConfig:
                         "--adapter-agents", ",".join(f"{r.name}={r.agents.pattern}" for r in every)]
             stream["agent_match"] = "|".join(f"(?:{r.agents.pattern})" for r in trained)
         paths = self.metrics_paths(metrics_path) if metrics_path else {}
+        program = [a.replace("{base_url}", base_url).replace("{tasks_per_version}", str(self.pacing()))
+                   for a in self.agent_program]
 
         def learner(name: str, *role: str) -> list[str]:
             metrics = ["--metrics-path", str(paths[name])] if name in paths else []
@@ -171,7 +178,7 @@ class PipelineConfig:
             "tasks": ["tasks", "publish", str(self.train), "--split", "train", *group],
             "runner": ["runner", "--agent", self.agent, "--workers", str(self.runner_workers), *group,
                        "--base-url", base_url, "--spool-dir", str(self.out / "spool" / "runner"), *pacing],
-            "agent": [INSTRUMENT, sys.executable, *(a.replace("{base_url}", base_url) for a in self.agent_program)],
+            "agent": [INSTRUMENT, sys.executable, *program],
         }
 
     def pacing(self) -> int:

@@ -391,8 +391,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--test", type=Path, required=True, help="held-out tasks (JSONL)")
     p.add_argument("--agent-program", metavar="ARGS",
                    help="zero code: run the agent as a program of its own, `python ARGS` under "
-                        "opentelemetry-instrument, instead of the runner calling --agent ({base_url} and {train} "
-                        "are replaced; its rewards come back as feedback). --agent still scores the held-out "
+                        "opentelemetry-instrument, instead of the runner calling --agent ({base_url}, {train} and "
+                        "{tasks_per_version} are replaced; its rewards come back as feedback). --agent still scores the held-out "
                         "tasks; attempts are grouped by their first prompt (docs/zero-code.md)")
     add_arguments(p)
     return p

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from boltstream.config import DEFAULT_GROUP_SIZE
-from boltstream.runs.demo import DEMO_GROUPS_PER_STEP
+from boltstream.learner.config import LearnerConfig
 from boltstream.runs.pipeline import read_jsonl
 from tests.tracking_readers import mlflow_runs, tensorboard_scalars, wandb_run_file
 
@@ -46,6 +46,7 @@ def test_zero_code_demo_trains_a_standalone_agent(tmp_path: Path, boltstream_cmd
     assert table.stdout.splitlines()[2].startswith("| 0 | "), table.stdout
 
 
+GROUPS_PER_STEP = LearnerConfig().groups_per_step
 PROGRESS = re.compile(r"^boltstream demo \[(\d+):(\d\d)\] (.*?)(?: \| budget left \d+:\d\d)?$")
 
 
@@ -125,8 +126,8 @@ def _assert_the_run_reported(out: Path) -> None:
     assert set(runs) == {"policy", "pipeline"}
     assert runs["pipeline"].data.params["learner/lr"] == "0.001"
     assert runs["pipeline"].data.metrics["held_out/improvement"] == pytest.approx(summary["improvement"])
-    assert runs["policy"].data.params["groups_per_step"] == str(DEMO_GROUPS_PER_STEP)
-    assert [r["lr"] for r in rows] == [pytest.approx(1e-3)] * 2  # no warmup: the demo's lr from the first step
+    assert runs["policy"].data.params["groups_per_step"] == str(GROUPS_PER_STEP)
+    assert [r["lr"] for r in rows] == [pytest.approx(1e-3)] * 2  # no warm-up: train's lr from the first step
     for r in rows:
         t = r["timeline"]
         assert t["window_s"] == pytest.approx(r["wall_seconds"]) and t["learner_compute_s"] == r["seconds"], t
@@ -136,14 +137,14 @@ def _assert_the_run_reported(out: Path) -> None:
     t = rows[1]["timeline"]
     assert t["generation_busy_s"] > 0 and t["decode_steps"] > 0 and t["decode_tokens"] > 0, t
     # at most every rollout of one version decodes at once (a loaded machine lets more of them overlap)
-    assert 1.0 <= t["mean_decode_batch"] <= DEMO_GROUPS_PER_STEP * DEFAULT_GROUP_SIZE and t["prefill_tokens"] > 0, t
+    assert 1.0 <= t["mean_decode_batch"] <= GROUPS_PER_STEP * DEFAULT_GROUP_SIZE and t["prefill_tokens"] > 0, t
     assert t["checkpoint_publish_s"] > 0 and t["reload_s"] > 0, t
     assert summary["step_time"]["decode_steps"] == sum(r["timeline"]["decode_steps"] for r in rows), summary
     # one partition: the runner takes the tasks in the file's order, so every step holds each operation equally
     ops = {t["id"]: t["op"] for t in read_jsonl(out / "data" / "train.jsonl")}
     for r in rows:
         held = collections.Counter(ops[b.split(":")[0]] for b in r["batch_ids"])
-        assert sorted(held.values()) == [DEMO_GROUPS_PER_STEP // 4] * 4, (r["step"], held)
+        assert sorted(held.values()) == [GROUPS_PER_STEP // 4] * 4, (r["step"], held)
     wandb_files = sorted((tracking / "wandb").glob("offline-run-*/run-*.wandb"))
     by_name = {run["name"]: run for run in map(wandb_run_file, wandb_files)}
     assert set(by_name) == {"policy", "pipeline"}

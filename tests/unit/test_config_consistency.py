@@ -25,7 +25,7 @@ from boltstream.inference.cli import ServeConfig
 from boltstream.inference.cli import parser as serve_parser
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
-from boltstream.runs.pipeline import PipelineConfig
+from boltstream.runs.pipeline import RUN_GRACE_S, PipelineConfig
 from boltstream.runs.train import LEARNER_SETTINGS, STREAM_SETTINGS, add_arguments, config_from_args
 from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
@@ -80,7 +80,8 @@ def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> No
     # Everything but what a run decides itself is the component's own default, the one a hand-run
     # component gets: nothing is copied, so nothing can drift.
     assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora"]))
-    assert values(train_started(run_cfg, "stream")) == values(resolve("stream", []))
+    # ...but the wait for late spans: a run's rollouts log their spans before their root (RUN_GRACE_S)
+    assert values(train_started(run_cfg, "stream")) == values(resolve("stream", ["--grace-s", str(RUN_GRACE_S)]))
     assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "auto"]))
 
 
@@ -88,7 +89,7 @@ def another_value(knob: Knob, tmp_path: Path) -> Any:
     """A valid value other than the default, per setting."""
     special = {"agent_match": "^solver$", "air_rules_file": tmp_path / "air.yaml",
                "lora_targets": ("q_proj", "v_proj"), "seed": 7, "groups_per_step": 3, "lr": 3e-4,
-               "lr_warmup_steps": 5, "kl_coef": 0.05, "call_credit": "episode", "std_normalize": True,
+               "lr_warmup_steps": 5, "kl_coef": 0.05, "call_credit": "return", "std_normalize": True,
                "report_to": ("tensorboard", "mlflow")}
     (tmp_path / "air.yaml").write_text("rules: []\n")
     return special[knob.name]
@@ -163,7 +164,10 @@ def compose_started(service: str) -> tuple[str, Any, dict[str, str]]:
 @pytest.mark.parametrize("service", ["stream", "learner", "inference"])
 def test_compose_services_run_with_the_settings_train_gives_them(run_cfg: PipelineConfig, service: str) -> None:
     component, config, _ = compose_started(service)
-    assert values(config) == values(train_started(run_cfg, component))
+    expected = values(train_started(run_cfg, component))
+    if component == "stream":  # compose's stream app serves any exporter: it keeps its own wait for late spans
+        expected["grace_s"] = values(resolve("stream", []))["grace_s"]
+    assert values(config) == expected
 
 
 def test_a_zero_code_run_starts_the_agent_program_under_opentelemetry_instrument(run_cfg: PipelineConfig) -> None:

@@ -13,6 +13,7 @@ from boltstream.config import load
 from boltstream.errors import BoltstreamError
 from boltstream.inference.cli import ServeConfig
 from boltstream.inference.cli import parser as serve_parser
+from boltstream.learner.config import LearnerConfig
 from boltstream.runs.pipeline import PipelineConfig
 from boltstream.runs.train import add_arguments, config_from_args
 
@@ -72,7 +73,7 @@ def test_the_flags_reach_the_run(run_cfg: PipelineConfig, tmp_path: Path) -> Non
 
 def test_an_agent_program_replaces_the_runner_and_groups_attempts_by_prompt(tmp_path: Path) -> None:
     """``boltstream train --agent-program``: the program runs under opentelemetry-instrument with the run's
-    endpoint and training tasks filled in, no runner or task publisher starts, and the stream app groups the
+    endpoint, training tasks and pacing filled in, no runner or task publisher starts, and the stream app groups the
     attempts by their first prompt for as long as a run."""
     from boltstream.runs.pipeline import INSTRUMENT, ZERO_CODE_PROMPT_WINDOW_S
     from boltstream.runs.train import parser, zero_code
@@ -82,12 +83,14 @@ def test_an_agent_program_replaces_the_runner_and_groups_attempts_by_prompt(tmp_
         path.write_text('{"question": "1 + 1?", "answer": 2}\n')
     args = parser().parse_args(["--agent", "boltstream.examples.calc.agent:solve", "--train", str(train), "--test",
                                 str(test), "--agent-program", "-m boltstream.examples.calc.standalone --tasks "
-                                "{train} --base-url {base_url}"])
+                                "{train} --base-url {base_url} --tasks-per-version {tasks_per_version}",
+                                "--groups-per-step", "3"])
     cfg = config_from_args(args, tmp_path, agent=args.agent, train=args.train, test=args.test,
                            **zero_code(args.agent_program, args.train))
     argv = cfg.argv(port=8000, base_url="http://127.0.0.1:8000/v1", metrics_path=tmp_path / "m.jsonl")
     assert argv["agent"][0] == INSTRUMENT and argv["agent"][2:] == [
-        "-m", "boltstream.examples.calc.standalone", "--tasks", str(train), "--base-url", "http://127.0.0.1:8000/v1"]
+        "-m", "boltstream.examples.calc.standalone", "--tasks", str(train), "--base-url", "http://127.0.0.1:8000/v1",
+        "--tasks-per-version", "3"]  # the run's pacing: the learner's groups a step
     assert cfg.stream_config().prompt_window_s == ZERO_CODE_PROMPT_WINDOW_S
     assert zero_code(None, args.train) == {}
 
@@ -100,7 +103,7 @@ def test_the_runner_is_paced_to_the_learners_groups_a_step_by_default(run_cfg: P
         runner = argv["runner"]
         return runner[runner.index("--tasks-per-version"):][:2] if "--tasks-per-version" in runner else []
 
-    assert pacing() == ["--tasks-per-version", "4"]
-    assert pacing(learner={"groups_per_step": 8}) == ["--tasks-per-version", "8"]
+    assert pacing() == ["--tasks-per-version", str(LearnerConfig().groups_per_step)]
+    assert pacing(learner={"groups_per_step": 3}) == ["--tasks-per-version", "3"]
     assert pacing(tasks_per_version=2) == ["--tasks-per-version", "2"]
     assert pacing(tasks_per_version=0) == []

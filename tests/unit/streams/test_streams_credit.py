@@ -107,15 +107,15 @@ def test_group_without_spread_gives_zero_advantage_even_with_intermediate_reward
     assert grpo_advantage(1.1, 1.0, 5e-7, CreditConfig(std_normalize=True, eps=1e-6)) == 0.0
 
 
-def test_episode_call_credit_gives_every_call_the_rollout_advantage() -> None:
+def test_episode_call_credit_the_default_gives_every_call_the_rollout_advantage() -> None:
     group = [
         # G = [0.1 + 1.0, 1.0], episode return 1.1
         trajectory("a", [turn(0, [1], [2], rewards=[0.1]), turn(1, [1, 2, 9], [3])], final_reward=1.0),
         # G = [0.0], episode return 0.0
         trajectory("b", [turn(0, [1], [4])], final_reward=0.0),
     ]
-    per_call = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False))
-    episode = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False, call_credit="episode"))
+    per_call = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False, call_credit="return"))
+    episode = group_credit(group, CreditConfig(std_normalize=True, eps=0.0, std_unbiased=False))
     # mean 0.55, population std 0.55
     assert [s["advantage"] for s in per_call.samples] == pytest.approx([1.0, 0.45 / 0.55, -1.0])
     assert [s["advantage"] for s in episode.samples] == pytest.approx([1.0, 1.0, -1.0])
@@ -133,7 +133,8 @@ def test_group_with_gamma_intermediate_rewards_and_a_failure() -> None:
         # C: r = [0.5], final 0.5: G0 = 0.5 + 0.5 = 1.0
         trajectory("C", [turn(0, [1], [5], rewards=[0.5])], final_reward=0.5),
     ]
-    credit = group_credit(group, CreditConfig(std_normalize=True, gamma=0.5, eps=0.0, std_unbiased=False))
+    credit = group_credit(group, CreditConfig(std_normalize=True, gamma=0.5, eps=0.0, std_unbiased=False,
+                                              call_credit="return"))
     # episode returns 0.3, 0.0, 1.0 -> mean 1.3 / 3
     # deviations -0.4/3, -1.3/3, 1.7/3 -> squares sum (0.16 + 1.69 + 2.89) / 9 = 4.74 / 9
     # population variance 4.74 / 27
