@@ -97,8 +97,8 @@ class CreditConfig:
     trajectory_mode: bool = opt(False, "merge calls whose prompt extends the previous prompt + response "
                                        "into one sample, masking the inserted tokens")
     failure_reward: float = opt(0.0, "final reward of a rollout that has none (failed / abandoned)")
-    call_credit: CallCreditMode = opt("episode", "a call's advantage from its own return G_t (LightningRL) "
-                                                "or from its rollout's episode return")
+    call_credit: CallCreditMode = opt("episode", "episode: every call gets its rollout's advantage (Agent "
+                                                 "Lightning); return: each call's from its own return G_t")
 
     def __post_init__(self) -> None:
         if self.call_credit not in CALL_CREDIT_MODES:
