@@ -9,7 +9,9 @@ Spans are listed in the order they END (children first, the root last), which
 is the order the exporter produces them.
 
 :func:`reference_samples` computes what the learner must receive WITHOUT the
-pure core, by the closed form for gamma = 1: G_t = R + sum of intermediate
+pure core, by the closed form for gamma = 1: every call of a rollout gets its
+episode return R + sum of its intermediate rewards (``call_credit="episode"``,
+the stream app's default), or with ``"return"`` G_t = R + sum of intermediate
 rewards at calls >= t; GRPO over the attempts of a task with the sample std
 (n - 1) and eps = 1e-6.
 """
@@ -176,11 +178,13 @@ def make_workload(tasks: int, group_size: int = 4, seed: int = 7, run: str = "ru
     ]
 
 
-def reference_samples(rollouts: list[Rollout], std_normalize: bool = False) -> dict[str, dict[str, Any]]:
+def reference_samples(rollouts: list[Rollout], std_normalize: bool = False,
+                      call_credit: str = "episode") -> dict[str, dict[str, Any]]:
     """sample_id -> {advantage, token_ids, reward} by the gamma = 1 closed form (no pure core).
 
     Advantage = G - group mean (the stream app's default), divided by the group's sample std
-    with ``std_normalize`` (plain GRPO)."""
+    with ``std_normalize`` (plain GRPO); G is the rollout's episode return, or with
+    ``call_credit="return"`` the call's own return."""
     by_task: dict[str, list[Rollout]] = {}
     for r in rollouts:
         by_task.setdefault(r.task_id, []).append(r)
@@ -190,9 +194,9 @@ def reference_samples(rollouts: list[Rollout], std_normalize: bool = False) -> d
         n = len(episode)
         mean = sum(episode) / n
         std = math.sqrt(sum((g - mean) ** 2 for g in episode) / (n - 1)) if n > 1 else 0.0
-        for r in group:
+        for r, g_0 in zip(group, episode, strict=True):
             for t, (prompt, response) in enumerate(r.calls):
-                g = (r.final_reward or 0.0) + sum(r.step_rewards[t:])
+                g = (r.final_reward or 0.0) + sum(r.step_rewards[t:]) if call_credit == "return" else g_0
                 out[f"{r.attempt_id}:{t}"] = {
                     "advantage": (g - mean) / (std + EPS) if std_normalize else g - mean,
                     "reward": g,
