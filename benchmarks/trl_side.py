@@ -6,14 +6,13 @@ Shared with boltstream, each read from boltstream's own config so the two cannot
 learning rate with a warm-up over the same number of steps and then a constant rate, samples a step
 (groups a step x group size, every group one task), the PPO clip range (DAPO's asymmetric one),
 token-mean loss, no KL term, no std scaling of the advantages, the agent's temperature and token limit,
-and held-out scoring: every test task ``eval_samples`` times, each reply scored by the agent's own
+and held-out scoring: every test task as often as the suite says, each reply scored by the agent's own
 ``reward``. Not shared: TRL generates with ``model.generate`` in its own process, boltstream with its
 inference worker.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from importlib.metadata import version
@@ -23,7 +22,7 @@ from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.learner.config import DEFAULT_LR, LearnerConfig, StepConfig
-from boltstream.runs.pipeline import PipelineConfig, mean_and_se
+from boltstream.runs.pipeline import mean_and_se
 from boltstream.weights.models import load_model
 
 
@@ -49,11 +48,11 @@ def score(model: Any, tokenizer: Any, agent: ModuleType, tasks: list[dict[str, A
         replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         per_task.append(sum(agent.reward(task, r) for r in replies) / samples)
     mean, se = mean_and_se(per_task)
-    return {"score": mean, "se": se, "per_task": per_task}
+    return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples, "per_task": per_task}
 
 
-def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: int, steps: int, out: Path
-                    ) -> dict[str, Any]:
+def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: int, steps: int, out: Path,
+                    eval_samples: int) -> dict[str, Any]:
     """Score the base model, train ``steps`` GRPO steps, score again; the summary ``boltstream train`` writes
     (before, after, improvement and its paired SE, learner_steps, train_s, wall_s) plus the versions."""
     from datasets import Dataset
@@ -62,7 +61,6 @@ def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: 
 
     started = time.monotonic()
     learner, step = LearnerConfig(lora=True), StepConfig()
-    eval_samples = next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == "eval_samples")
     group_size, lr = DEFAULT_GROUP_SIZE, learner.lr or DEFAULT_LR["lora"]
     model, tokenizer = load_model("smollm2", seed=seed)
     test = _tasks(test_path)

@@ -70,10 +70,11 @@ class PipelineConfig:
     out: Path
     model: str = "smollm2"
     lora: bool = True
-    # The inference worker's ``--dtype``. auto: bfloat16 on a CPU that computes it natively (generation,
-    # most of a step on CPU, runs ~1.4x faster); the learner keeps float32 and sees the rounding as a
-    # small off-policy gap in the PPO ratio (docs/results.md).
-    serve_dtype: str | None = "auto"
+    # The inference worker's ``--dtype``: float32, the learner's, so the policy sampled and scored is the
+    # one trained. ``auto`` (bfloat16 on a CPU that computes it natively) generates ~1.3x faster but rounds
+    # each merged adapter into bf16 weights: on the agent suite's extraction agent it learned less in every
+    # run (docs/learner.md, Defaults).
+    serve_dtype: str | None = "float32"
     # Partitions per topic of the embedded stack (None: the stack's default). With one, the runner takes
     # the tasks in the training file's order.
     partitions: int | None = None

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--model", default=None, help="smollm2 | tiny | a model directory or .gguf")
     a("--full", action="store_true", help="full fine-tuning instead of LoRA")
     a("--serve-dtype", default=None, choices=DTYPES,
-      help="the inference worker's dtype (default auto: bfloat16 on a CPU with native bf16, else the checkpoint's)")
+      help="the inference worker's dtype (default float32, the learner's; auto: bfloat16 on a CPU with native bf16, "
+           "faster, else the checkpoint's)")
     a("--group-size", type=int, default=None,
       help=f"attempts per task (GRPO group), for the runner and the stream app (default {DEFAULT_GROUP_SIZE})")
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")

@@ -27,7 +27,7 @@ suite = _script("agent_suite")
 
 
 def summary(before: float, after: float, improvement_se: float, steps: int = 8) -> dict[str, Any]:
-    return {"before": {"score": before}, "after": {"score": after}, "improvement": after - before,
+    return {"before": {"score": before, "samples_per_task": 4}, "after": {"score": after}, "improvement": after - before,
             "improvement_se": improvement_se, "learner_steps": steps, "wall_s": 120.0, "train_s": 80.0}
 
 
@@ -43,6 +43,7 @@ def test_the_table_holds_every_summary_found(tmp_path: Path) -> None:
     text = suite.table(rows, "a machine")
     assert "| extract | boltstream | 0 | 0.250 | 0.500 | +0.250 ± 0.050 (5.0 SE) ✓ | 8 | 120 s | 10.0 s |" in text
     assert "(no spread)" in text and "Machine: a machine." in text
+    assert "Each held-out task attempted 4 times before and after." in text
 
 
 def test_each_boltstream_run_is_the_train_command_at_the_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -50,10 +51,11 @@ def test_each_boltstream_run_is_the_train_command_at_the_defaults(tmp_path: Path
     ran: list[list[str]] = []
     monkeypatch.setattr(suite.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or type("P", (), {"returncode": 0}))
     sql = next(a for a in suite.SUITE if a.name == "sql")
-    assert suite.run_boltstream(sql, 1, 8, tmp_path / "run", ["--lr", "1e-3"]) == 0
+    assert suite.run_boltstream(sql, 1, 8, tmp_path / "run", 4, ["--lr", "1e-3"]) == 0
     cmd = ran[0]
     assert cmd[:len(suite.INSTRUMENT)] == list(suite.INSTRUMENT)  # its roles' spans need the instrumentation
     assert cmd[cmd.index("train") + 1:][:2] == ["--agent", "boltstream.examples.sql.agent:solve"]
+    assert cmd[cmd.index("--eval-samples") + 1] == "4"  # both systems score each held-out task as often
     assert cmd[-2:] == ["--lr", "1e-3"] and "--roles" in cmd and (tmp_path / "run" / "data" / "train.jsonl").is_file()
 
 

@@ -82,7 +82,7 @@ def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> No
     assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora"]))
     # ...but the wait for late spans: a run's rollouts log their spans before their root (RUN_GRACE_S)
     assert values(train_started(run_cfg, "stream")) == values(resolve("stream", ["--grace-s", str(RUN_GRACE_S)]))
-    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "auto"]))
+    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "float32"]))
 
 
 def another_value(knob: Knob, tmp_path: Path) -> Any:
