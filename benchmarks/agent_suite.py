@@ -1,8 +1,8 @@
 """``make suite``: every example agent trained by ``boltstream train`` at its defaults, and the single-call
 agents by TRL's GRPOTrainer beside it, as one table.
 
-    .venv/bin/python benchmarks/agent_suite.py [--agents calc,extract,choose,lookup,sql] [--seeds 0,1]
-        [--trl-seeds 0] [--steps 8] [--out out/suite] [--update-readme]
+    .venv/bin/python benchmarks/agent_suite.py [--agents calc,extract,choose,lookup,calc-zero-code,sql] [--seeds 0,1]
+        [--trl-seeds 0] [--steps 8] [--eval-samples 4] [--out out/suite] [--update-readme]
     .venv/bin/python benchmarks/agent_suite.py --tabulate [--out out/suite] [--update-readme]
 
 boltstream: ``boltstream train --agent <module:solve> --train/--test <the agent's seeded tasks> --steps 8
