@@ -14,7 +14,10 @@ the attention call with its mask 16 ms. Here:
   per model (:class:`LlamaStep`);
 * attention of one query per row is one ``scaled_dot_product_attention`` call
   whose "query positions" are the query heads sharing a key/value head (no
-  ``repeat_kv`` copy).
+  ``repeat_kv`` copy);
+* in float32, a step of :data:`PACK_MIN_ROWS` rows or more runs as 16 or 32 rows
+  (:data:`PACK_ROWS`) so that every product reads weights MKL packed once for that
+  many (:mod:`.torch_internals`): the rows added are dropped, and attend to nothing.
 
 What it relies on (checked by :func:`probe`, which runs a step against the
 model's own forward and refuses on any difference): a ``LlamaForCausalLM``-like
@@ -34,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from boltstream.inference import torch_internals
+
 log = logging.getLogger(__name__)
 
 # Free columns allocated after the filled ones when a buffer is (re)built: a step that finds none left copies
@@ -44,6 +49,11 @@ GROWTH = 128
 LEFT_ROOM = 128
 # Free rows kept after the used ones: a joining request is written into them, the running rows stay put.
 ROW_ROOM = 8
+# Row counts float32 products use packed weights for: a step of PACK_MIN_ROWS rows or more runs as the
+# next of them (16 rows packed cost what 8 did unpacked: benchmarks/bench_serving.py); below
+# PACK_MIN_ROWS, MKL reads the weights in place anyway. The worker decodes at most 32 rows by default.
+PACK_ROWS = (16, 32)
+PACK_MIN_ROWS = 4
 
 
 @dataclass
@@ -145,6 +155,33 @@ def _rotate_half(x: Any) -> Any:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Product:
+    """``x @ weight.T`` (plus ``residual``): from a copy of the weight MKL packed for ``x``'s row count when
+    that is one of :data:`PACK_ROWS` (packed on first use: memory only for the counts a worker meets),
+    else ``F.linear`` / ``addmm`` on the weight itself."""
+
+    __slots__ = ("weight", "packs")
+
+    def __init__(self, weight: Any, packing: bool) -> None:
+        self.weight = weight
+        self.packs: dict[int, Any] | None = {} if packing else None
+
+    def __call__(self, x: Any, residual: Any = None) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        rows = int(x.shape[0])
+        if self.packs is not None and rows in PACK_ROWS:
+            packed = self.packs.get(rows)
+            if packed is None:
+                packed = self.packs[rows] = torch_internals.pack(self.weight, rows)
+            out = torch_internals.packed_linear(x, packed, self.weight, rows)
+            return out if residual is None else out.add_(residual)
+        if residual is None:
+            return F.linear(x, self.weight)
+        return torch.addmm(residual, x, self.weight.t())
+
+
 class LlamaStep:
     """The step for one model object: its modules and fused weights (built once, kept while it lives)."""
 
@@ -156,7 +193,6 @@ class LlamaStep:
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
@@ -168,14 +204,18 @@ class LlamaStep:
         kv_out = self.kv_heads * self.head_dim
         self.splits = (q_out, kv_out, kv_out)
         self.intermediate = int(self.layers[0].mlp.gate_proj.weight.shape[0])
+        packing = model.lm_head.weight.dtype == torch.float32 and torch_internals.packing_available()
+        self.pack_rows = PACK_ROWS if packing else ()
+        self.min_rows = PACK_MIN_ROWS
         with torch.no_grad():
-            self.qkv = [torch.cat([la.self_attn.q_proj.weight, la.self_attn.k_proj.weight,
-                                   la.self_attn.v_proj.weight]).contiguous() for la in self.layers]
-            self.gate_up = [torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous()
+            self.qkv = [_Product(torch.cat([la.self_attn.q_proj.weight, la.self_attn.k_proj.weight,
+                                            la.self_attn.v_proj.weight]).contiguous(), packing) for la in self.layers]
+            self.gate_up = [_Product(torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous(), packing)
                             for la in self.layers]
-        # transposed views (no copy) for addmm; norms' epsilons as the modules keep them
-        self.o_t = [la.self_attn.o_proj.weight.t() for la in self.layers]
-        self.down_t = [la.mlp.down_proj.weight.t() for la in self.layers]
+            self.o = [_Product(la.self_attn.o_proj.weight, packing) for la in self.layers]
+            self.down = [_Product(la.mlp.down_proj.weight, packing) for la in self.layers]
+            self.lm_head = _Product(model.lm_head.weight, packing)
+        # norms' epsilons as the modules keep them
         self.eps = [(_eps(la.input_layernorm), _eps(la.post_attention_layernorm)) for la in self.layers]
         self.norm_shape = (int(cfg.hidden_size),)
 
@@ -189,6 +229,7 @@ class LlamaStep:
         ``(logits, block_logits [G, vocab], block_layers)``, the latter ``(keys, values)`` per layer of
         ``[G, kv_heads, P + S, head_dim]``. Requests that join a running batch cost no pass of their own."""
         import torch
+        import torch.nn.functional as F
 
         kv.reserve(1)
         start, col = kv.start, kv.end
@@ -196,6 +237,13 @@ class LlamaStep:
         group = self.heads // self.kv_heads
         visible = (mask != 0).view(rows, 1, 1, -1)  # left padding is never attended to
         feed, where = ids, positions.view(-1)
+        # rows the products see: padded up to a packed count (the extra rows attend to nothing)
+        padded = next((n for n in self.pack_rows if n >= rows), rows) \
+            if block is None and rows >= self.min_rows else rows
+        if padded > rows:
+            feed, where = F.pad(feed, (0, padded - rows)), F.pad(where, (0, padded - rows))
+            attended = torch.zeros((padded, self.heads * self.head_dim), dtype=self.lm_head.weight.dtype,
+                                   device=ids.device)
         if block is not None:
             g, width = block.ids.shape
             feed = torch.cat([ids, block.ids.reshape(-1).to(ids.device)])
@@ -216,6 +264,9 @@ class LlamaStep:
                 qg, keys[:, :, start:col + 1], values[:, :, start:col + 1], attn_mask=visible,
                 scale=self.scaling)
             out = out.reshape(rows, -1)
+            if padded > rows:
+                attended[:rows] = out
+                return attended
             if block is None:
                 return out
             bq, bk, bv = (t[rows:].view(g, width, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
@@ -230,7 +281,7 @@ class LlamaStep:
         x = self._layers(x, cos, sin, attend)
         kv.length += 1
         if block is None:
-            return self.lm_head(self.norm(x)).float()
+            return self.lm_head(self.norm(x))[:rows].float()
         last = torch.cat([x[:rows], x[rows + width - 1::width]])  # each block row's last position
         logits = self.lm_head(self.norm(last)).float()
         return logits[:rows], logits[rows:], block_layers
@@ -241,23 +292,22 @@ class LlamaStep:
 
         A decode step is a few hundred small operations, each paying torch's dispatch: the norms are one
         ``rms_norm`` call each, the rotation turns q and k together (they sit side by side in the fused
-        product), and each residual add rides in its product (``addmm``)."""
-        import torch
+        product), and each residual add rides in its product."""
         import torch.nn.functional as F
 
         q_out, kv_out, _ = self.splits
         heads_qk = self.heads + self.kv_heads
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, self.norm_shape, layer.input_layernorm.weight, self.eps[i][0])
-            qkv = F.linear(h, self.qkv[i])
+            qkv = self.qkv[i](h)
             qk = qkv[:, :q_out + kv_out].view(-1, heads_qk, self.head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             v = qkv[:, q_out + kv_out:].view(-1, self.kv_heads, self.head_dim)
-            x = torch.addmm(x, attend(i, q, k, v), self.o_t[i])
+            x = self.o[i](attend(i, q, k, v), residual=x)
             h = F.rms_norm(x, self.norm_shape, layer.post_attention_layernorm.weight, self.eps[i][1])
-            gate, up = F.linear(h, self.gate_up[i]).split(self.intermediate, dim=-1)
-            x = torch.addmm(x, self.act(gate) * up, self.down_t[i])
+            gate, up = self.gate_up[i](h).split(self.intermediate, dim=-1)
+            x = self.down[i](self.act(gate) * up, residual=x)
         return x
 
 
@@ -303,14 +353,16 @@ def _shape_problem(model: Any) -> str | None:
         mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(m) is not torch.nn.Linear or m.bias is not None for m in mods):
             return "projections are not plain bias-free nn.Linear layers (adapters injected?)"
+    if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
+        return "lm_head is not a plain bias-free nn.Linear layer"
     return None
 
 
 def probe(model: Any) -> str | None:
     """None if :class:`LlamaStep` reproduces ``model``'s own decode step on it, else the reason it does not.
 
-    Runs a 2-row, left-padded prompt through the model, then one step both ways,
-    and compares the logits (relative to their scale, 1e-4 in float32; bf16/fp16
+    Runs a 2-row, left-padded prompt through the model, then one step both ways (the
+    plain-torch one as 2 rows and padded to the packed row count), and compares the logits (relative to their scale, 1e-4 in float32; bf16/fp16
     weights round differently in the two orders of operations: 5e-2)."""
     import torch
 
@@ -328,14 +380,18 @@ def probe(model: Any) -> str | None:
     try:
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-            buf = KVBuffer.from_layers(transformers_internals.layers_of(out.past_key_values))
+            layers = transformers_internals.layers_of(out.past_key_values)
             ref = model(input_ids=nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1,
                         past_key_values=out.past_key_values, use_cache=True).logits[:, -1].float()
-            got = LlamaStep(model)(nxt[:, 0], pos[:, -1:] + 1, mask2, buf)
+            step = LlamaStep(model)
+            got = []
+            for min_rows in (step.min_rows, 1):  # as 2 rows, then padded to the packed count (if any)
+                step.min_rows = min_rows
+                got.append(step(nxt[:, 0], pos[:, -1:] + 1, mask2, KVBuffer.from_layers(layers)))
     except Exception as exc:  # any shape or API mismatch: the model's own forward serves
         return f"the step failed on this model: {type(exc).__name__}: {exc}"
     tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+    err = max(float((g - ref).abs().max() / ref.abs().max().clamp(min=1e-6)) for g in got)
     if not err <= tol:
         return f"the step's logits differ from the model's forward by {err:.2e} (relative; bound {tol:g})"
     return None

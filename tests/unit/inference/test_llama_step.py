@@ -63,6 +63,47 @@ def test_steps_equal_the_models_forward_across_leaves_joins_and_growth(monkeypat
         torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
 
 
+def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_the_forward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 rows (padded to 32, products on weights packed for 32), then 6 (padded to 16), then 3 (below the
+    padding threshold: unpacked), each step's logits as the model's own forward gives them."""
+    from boltstream.inference import torch_internals
+
+    model, _ = tiny_model_and_tokenizer(0)
+    assert next(model.parameters()).dtype == torch.float32
+    packed_rows: list[int] = []
+    real = torch_internals.packed_linear
+
+    def counting(x: Any, packed: Any, weight: Any, rows: int) -> Any:
+        packed_rows.append(int(x.shape[0]))
+        return real(x, packed, weight, rows)
+
+    prompts = [[5 + i] * (3 + i % 7) for i in range(20)]
+    out = {}
+    for fast in (True, False):
+        llama_step._steps.pop(model, None)
+        if fast:
+            assert llama_step.step_for(model) is not None  # probed before counting
+        with monkeypatch.context() as m:
+            m.setattr(torch_internals, "packed_linear", counting)
+            if not fast:
+                m.setattr(llama_step, "step_for", lambda model: None)
+            logits = []
+            with torch.inference_mode():
+                state = decoding.prefill(model, rows_for(prompts), 0, "cpu")
+                for keep in (list(range(20)), [0, 1, 2, 7, 11, 19], [0, 2, 4]):
+                    state = decoding.select(state, keep) if len(keep) < len(state.rows) else state
+                    for j, row in enumerate(state.rows):
+                        row.ids.append(int(state.logits[j].argmax()))
+                    decoding.advance(model, state)
+                    logits.append(state.logits.clone())
+            out[fast] = logits
+    per_step = 4 * model.config.num_hidden_layers + 1  # 4 products a layer, and the head
+    assert packed_rows == [32] * per_step + [16] * per_step, "the 20- and 6-row steps were not padded and packed"
+    for f, p in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
+
+
 def test_the_probe_accepts_llama_and_refuses_what_it_cannot_reproduce() -> None:
     model, _ = tiny_model_and_tokenizer(0)
     assert llama_step.probe(model) is None
