@@ -5,9 +5,10 @@
 
 Part 1, the engine (in this process, the worker's own decoding code): for each
 batch size, a prefill of that many ``--prompt-tokens`` prompts (prefill
-tokens/s) and ``--decode-steps`` decode steps (generated tokens/s), once with
-the plain-torch decode step over a KV buffer (inference/llama_step.py) and
-once through the model's own forward, alternating. Printed next to them, from
+tokens/s) and ``--decode-steps`` decode steps (generated tokens/s), with the
+plain-torch decode step over a KV buffer (inference/llama_step.py), the same
+step multiplying by the weights themselves instead of their packed copies, and
+the model's own forward, alternating. Printed next to them, from
 the same run (benchmarks/machine.py): the memory bound of a decode step
 (the weights' bytes in the serving dtype over a large copy's GB/s, and over a
 large read's GB/s) and the compute bound of the prefill (2 FLOPs per weight per
@@ -51,9 +52,10 @@ TOPICS = ["the ocean", "a robot learning to paint", "prime numbers", "a rainy da
 
 # ------------------------------------------------------------------ part 1: the engine against the machine
 
-def _engine_once(model: Any, batch: int, prompt_tokens: int, steps: int, plain: bool) -> dict[str, float]:
+def _engine_once(model: Any, batch: int, prompt_tokens: int, steps: int, step: Any) -> dict[str, float]:
     """One prefill of ``batch`` prompts and ``steps`` decode steps, as the worker's generation thread runs
-    them; ``plain``: through the model's own forward instead of the plain-torch step."""
+    them, decoding with ``step`` (a :class:`~boltstream.inference.llama_step.LlamaStep`; None: through the
+    model's own forward)."""
     from array import array
     from types import SimpleNamespace
 
@@ -63,8 +65,7 @@ def _engine_once(model: Any, batch: int, prompt_tokens: int, steps: int, plain: 
     from boltstream.inference.backend import SamplingParams
 
     real_step_for = llama_step.step_for
-    if plain:
-        llama_step.step_for = lambda m: None  # type: ignore[assignment]
+    llama_step.step_for = lambda m: step  # type: ignore[assignment]
     try:
         gen = torch.Generator().manual_seed(batch)
         reqs = [SimpleNamespace(prompt_ids=array("i", torch.randint(100, 20000, (prompt_tokens - i % 7,),
@@ -91,7 +92,8 @@ def _engine_once(model: Any, batch: int, prompt_tokens: int, steps: int, plain: 
 
 
 def engine(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 1: every batch size, plain-torch step and the model's forward alternating, against the bounds."""
+    """Part 1: every batch size, the plain-torch step (on packed weights, and on the weights themselves) and
+    the model's forward alternating, against the bounds."""
     dtype = resolve_dtype(args.serve_dtype)
     model, _ = load_model(args.model, dtype=dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
@@ -104,15 +106,23 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
           f"{dtype_name} matmul {machine['matmul_gflop_s']:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB in "
           f"{dtype_name} -> a decode step >= {weight_bytes / machine['copy_gb_s'] / 1e6:.1f} ms (copy rate), "
           f">= {weight_bytes / machine['read_gb_s'] / 1e6:.1f} ms (read rate)", flush=True)
-    _engine_once(model, 2, 32, 2, plain=False)  # warm-up: first-call allocations, the step's probe
-    _engine_once(model, 2, 32, 2, plain=True)
+    import torch
+
+    from boltstream.inference import llama_step
+
+    with torch.inference_mode():
+        if problem := llama_step.probe(model):
+            raise SystemExit(f"the plain-torch step does not reproduce {args.model}: {problem}")
+        steps = {"step": llama_step.LlamaStep(model), "unpacked": llama_step.LlamaStep(model, packing=False),
+                 "forward": None}
+    for step in steps.values():  # warm-up: first-call allocations, packing
+        _engine_once(model, 2, 32, 2, step)
     out = []
     for batch in args.batches:
-        runs = {"step": [], "forward": []}
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in steps}
         for _ in range(args.engine_rounds):
-            for mode in ("step", "forward"):
-                runs[mode].append(_engine_once(model, batch, args.prompt_tokens, args.decode_steps,
-                                               plain=mode == "forward"))
+            for mode, step in steps.items():
+                runs[mode].append(_engine_once(model, batch, args.prompt_tokens, args.decode_steps, step))
         row: dict[str, Any] = {"batch": batch}
         for mode, rs in runs.items():
             best = min(rs, key=lambda r: r["step_ms"])
@@ -122,11 +132,13 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
                              prefill_compute_bound=max(r["prefill_tokens_per_s"] for r in rs) * flops_per_token
                              / (machine["matmul_gflop_s"] * 1e9))
         row["step_speedup"] = row["forward"]["step_ms"] / row["step"]["step_ms"]
+        row["packing_speedup"] = row["unpacked"]["step_ms"] / row["step"]["step_ms"]
         s, f = row["step"], row["forward"]
         print(f"batch {batch:2d}: decode {s['decode_tokens_per_s']:6.1f} tok/s ({s['step_ms']:.1f} ms/step; "
               f"{s['memory_bound_copy']:.0%} of the copy-rate bound, {s['memory_bound_read']:.0%} of the read-rate "
               f"bound) vs own forward {f['decode_tokens_per_s']:6.1f} tok/s ({f['step_ms']:.1f} ms/step, "
-              f"{f['memory_bound_copy']:.0%}) -> {row['step_speedup']:.2f}x; prefill "
+              f"{f['memory_bound_copy']:.0%}) -> {row['step_speedup']:.2f}x; unpacked weights "
+              f"{row['unpacked']['step_ms']:.1f} ms/step -> packing {row['packing_speedup']:.2f}x; prefill "
               f"{s['prefill_tokens_per_s']:.0f} tok/s ({s['prefill_compute_bound']:.0%} of the matmul bound)",
               flush=True)
         out.append(row)
@@ -234,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 32])
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--engine-rounds", type=int, default=2, help="alternations of the two decode paths per batch")
+    p.add_argument("--engine-rounds", type=int, default=3,
+                   help="alternations of the decode paths per batch; each path's best is kept, as the bounds keep theirs")
     p.add_argument("--backends", type=lambda v: v.split(","), default=["transformers", "vllm"],
                    help="the workers part 2 measures (vllm: in the virtualenv `make vllm-env` builds)")
     args = p.parse_args(argv)

@@ -15,9 +15,11 @@ the attention call with its mask 16 ms. Here:
 * attention of one query per row is one ``scaled_dot_product_attention`` call
   whose "query positions" are the query heads sharing a key/value head (no
   ``repeat_kv`` copy);
-* in float32, a step of :data:`PACK_MIN_ROWS` rows or more runs as 16 or 32 rows
-  (:data:`PACK_ROWS`) so that every product reads weights MKL packed once for that
-  many (:mod:`.torch_internals`): the rows added are dropped, and attend to nothing.
+* every product reads a copy of its weight packed once per model object
+  (:mod:`.torch_internals`): in bfloat16 oneDNN's layout, for any row count; in
+  float32 MKL's, for exactly 16 or 32 rows (:data:`PACK_ROWS`), so a step of
+  :data:`PACK_MIN_ROWS` rows or more runs as the next of them (the rows added are
+  dropped, and attend to nothing).
 
 What it relies on (checked by :func:`probe`, which runs a step against the
 model's own forward and refuses on any difference): a ``LlamaForCausalLM``-like
@@ -156,36 +158,42 @@ def _rotate_half(x: Any) -> Any:
 
 
 class _Product:
-    """``x @ weight.T`` (plus ``residual``): from a copy of the weight MKL packed for ``x``'s row count when
-    that is one of :data:`PACK_ROWS` (packed on first use: memory only for the counts a worker meets),
-    else ``F.linear`` / ``addmm`` on the weight itself."""
+    """``x @ weight.T`` (plus ``residual``) on a packed copy of the weight (:mod:`.torch_internals`):
+    "onednn" (bfloat16) for any row count; "mkl" (float32) for the row counts of :data:`PACK_ROWS`,
+    each packed on its first use (memory only for the counts a worker meets), ``F.linear`` /
+    ``addmm`` on the weight itself for other counts or without packing."""
 
-    __slots__ = ("weight", "packs")
+    __slots__ = ("weight", "packing", "packs")
 
-    def __init__(self, weight: Any, packing: bool) -> None:
+    def __init__(self, weight: Any, packing: str | None) -> None:
         self.weight = weight
-        self.packs: dict[int, Any] | None = {} if packing else None
+        self.packing = packing
+        self.packs: dict[int, Any] = {0: torch_internals.pack(weight, "onednn")} if packing == "onednn" else {}
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
         import torch
         import torch.nn.functional as F
 
         rows = int(x.shape[0])
-        if self.packs is not None and rows in PACK_ROWS:
+        if self.packing == "onednn":
+            out = torch_internals.onednn_linear(x, self.packs[0])
+        elif self.packing == "mkl" and rows in PACK_ROWS:
             packed = self.packs.get(rows)
             if packed is None:
-                packed = self.packs[rows] = torch_internals.pack(self.weight, rows)
-            out = torch_internals.packed_linear(x, packed, self.weight, rows)
-            return out if residual is None else out.add_(residual)
-        if residual is None:
+                packed = self.packs[rows] = torch_internals.pack(self.weight, "mkl", rows)
+            out = torch_internals.mkl_linear(x, packed, self.weight, rows)
+        elif residual is None:
             return F.linear(x, self.weight)
-        return torch.addmm(residual, x, self.weight.t())
+        else:
+            return torch.addmm(residual, x, self.weight.t())
+        return out if residual is None else out.add_(residual)
 
 
 class LlamaStep:
     """The step for one model object: its modules and fused weights (built once, kept while it lives)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, packing: bool = True) -> None:
+        """``packing`` False: products on the weights themselves (benchmarks compare)."""
         import torch
 
         inner = model.model
@@ -204,17 +212,17 @@ class LlamaStep:
         kv_out = self.kv_heads * self.head_dim
         self.splits = (q_out, kv_out, kv_out)
         self.intermediate = int(self.layers[0].mlp.gate_proj.weight.shape[0])
-        packing = model.lm_head.weight.dtype == torch.float32 and torch_internals.packing_available()
-        self.pack_rows = PACK_ROWS if packing else ()
+        kind = torch_internals.packing_for(model.lm_head.weight.dtype) if packing else None
+        self.pack_rows = PACK_ROWS if kind == "mkl" else ()
         self.min_rows = PACK_MIN_ROWS
         with torch.no_grad():
             self.qkv = [_Product(torch.cat([la.self_attn.q_proj.weight, la.self_attn.k_proj.weight,
-                                            la.self_attn.v_proj.weight]).contiguous(), packing) for la in self.layers]
-            self.gate_up = [_Product(torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous(), packing)
+                                            la.self_attn.v_proj.weight]).contiguous(), kind) for la in self.layers]
+            self.gate_up = [_Product(torch.cat([la.mlp.gate_proj.weight, la.mlp.up_proj.weight]).contiguous(), kind)
                             for la in self.layers]
-            self.o = [_Product(la.self_attn.o_proj.weight, packing) for la in self.layers]
-            self.down = [_Product(la.mlp.down_proj.weight, packing) for la in self.layers]
-            self.lm_head = _Product(model.lm_head.weight, packing)
+            self.o = [_Product(la.self_attn.o_proj.weight, kind) for la in self.layers]
+            self.down = [_Product(la.mlp.down_proj.weight, kind) for la in self.layers]
+            self.lm_head = _Product(model.lm_head.weight, kind)
         # norms' epsilons as the modules keep them
         self.eps = [(_eps(la.input_layernorm), _eps(la.post_attention_layernorm)) for la in self.layers]
         self.norm_shape = (int(cfg.hidden_size),)

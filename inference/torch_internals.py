@@ -1,27 +1,32 @@
-"""Every use of a private torch API, in one place: MKL's packed float32 products for the decode step.
+"""Every use of a private torch API, in one place: products on prepacked weights for the decode step.
 
-Why: a decode step of 16 rows multiplies them by every weight matrix once, and
-the step is bound by reading the weights. MKL's ``sgemm`` at so few rows copies
-(packs) each weight panel before using it: on a 2-core Xeon, SmolLM2-135M's
-538 MB of float32 weights went through ``F.linear`` at ~8 GB/s for 16 rows
-against ~22 GB/s for one row (where MKL reads them in place). Packed once per
-model with ``cblas_sgemm_pack`` (what these ops wrap), the same products take
-~0.75x the time. torch exposes the pair only as private operators (they exist
-for its own CPU inference passes), so nothing outside this module calls them.
+Why: a decode step of a few rows multiplies them by every weight matrix once, and
+the step is bound by reading the weights. At so few rows torch's ordinary product
+repacks each weight panel on every call: on a 2-core Xeon, SmolLM2-135M's 538 MB
+of float32 weights went through ``F.linear`` at ~8 GB/s for 16 rows against
+~22 GB/s for one row. Packed once per model, the same products take ~0.7-0.75x
+the time in float32 (MKL's ``cblas_sgemm_pack``) and in bfloat16 (oneDNN's
+blocked layout), with results equal to ``F.linear``'s. torch exposes both only
+as private operators (they exist for its own CPU inference passes), so nothing
+outside this module calls them.
 
-The contract (torch, as of the versions in :data:`CHECKED_WITH`; MKL builds only):
+The contract (torch, as of the versions in :data:`CHECKED_WITH`; x86 builds with MKL and oneDNN):
 
 * ``torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_size)`` takes a float32
   ``[out, in]`` weight (``F.linear``'s layout) and returns an opaque tensor holding it
   packed for products of exactly ``batch_size`` rows (as many bytes as the weight);
 * ``torch.ops.mkl._mkl_linear(x, packed, weight, bias, batch_size)`` returns
   ``x @ weight.T`` (+ ``bias``) from the packed copy when ``x`` has ``batch_size`` rows,
-  and falls back to ``F.linear(x, weight, bias)`` for any other row count.
+  and falls back to ``F.linear(x, weight, bias)`` for any other row count;
+* ``torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)`` returns the weight
+  (bfloat16 here) in oneDNN's layout for products of about ``batch_size`` rows, and
+  ``torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")`` returns
+  ``x @ weight.T`` from it for any row count.
 
-:func:`check_api` checks both on real tensors; ``tests/unit/inference/test_torch_internals.py``
+:func:`check_api` checks all of it on real tensors; ``tests/unit/inference/test_torch_internals.py``
 calls it and fails, naming the version, when the installed torch is not one in :data:`CHECKED_WITH`.
-Where the operators are missing (a torch built without MKL, another CPU architecture),
-:func:`packing_available` is False and the step multiplies with ``F.linear``.
+Where an operator is missing (another build, another CPU architecture), :func:`packing_for`
+says None and the step multiplies with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -31,31 +36,51 @@ from typing import Any
 # distribution -> versions this module's contract was checked against (read by the test).
 CHECKED_WITH: dict[str, tuple[str, ...]] = {"torch": ("2.13.0", "2.13.0+cpu")}
 
+# The row count oneDNN lays bfloat16 weights out for (any count multiplies from the layout).
+ONEDNN_ROWS_HINT = 16
 
-def packing_available() -> bool:
-    """Whether this torch has MKL and the two packing operators."""
+
+def packing_for(dtype: Any) -> str | None:
+    """How weights of ``dtype`` are packed here: "mkl" (float32, for exact row counts), "onednn"
+    (bfloat16, any row count), or None (not at all)."""
     import torch
 
     try:
-        return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear") \
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        if dtype == torch.float32 and torch.backends.mkl.is_available() \
+                and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+            return "mkl"
+        if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            return "onednn"
     except (AttributeError, RuntimeError):
-        return False
+        pass
+    return None
 
 
-def pack(weight: Any, rows: int) -> Any:
-    """``weight`` (float32 ``[out, in]``) packed for products of exactly ``rows`` rows."""
+def pack(weight: Any, packing: str, rows: int = 0) -> Any:
+    """``weight`` (``[out, in]``) packed the ``packing`` way; "mkl" for products of exactly ``rows`` rows."""
     import torch
 
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), rows)
+    weight = weight.detach().contiguous()
+    if packing == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
 
 
-def packed_linear(x: Any, packed: Any, weight: Any, rows: int) -> Any:
-    """``x @ weight.T`` from ``packed`` (made by :func:`pack` for ``rows`` rows) when ``x`` has that many
-    rows; the weight itself otherwise."""
+def mkl_linear(x: Any, packed: Any, weight: Any, rows: int) -> Any:
+    """``x @ weight.T`` from ``packed`` (MKL-packed from ``weight`` for ``rows`` rows) when ``x`` has that
+    many rows; from ``weight`` itself otherwise."""
     import torch
 
     return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+
+
+def onednn_linear(x: Any, packed: Any) -> Any:
+    """``x @ weight.T`` from ``packed`` (the weight in oneDNN's layout), for any row count."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def _broken(what: str) -> RuntimeError:
@@ -70,17 +95,19 @@ def check_api(rows: int = 16) -> None:
     import torch
     import torch.nn.functional as F
 
-    if not packing_available():
-        raise _broken("torch.ops.mkl._mkl_linear / _mkl_reorder_linear_weight are missing")
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=gen)
-    packed = pack(weight, rows)
-    for n in (rows, rows - 1):  # the packed product, then the fallback for another row count
-        x = torch.randn(n, 64, generator=gen)
-        got = packed_linear(x, packed, weight, rows)
-        want = F.linear(x, weight)
-        if got.shape != want.shape:
-            raise _broken(f"{n} rows: shape {tuple(got.shape)}, F.linear's {tuple(want.shape)}")
-        err = float((got - want).abs().max())
-        if not err <= 1e-4:
-            raise _broken(f"{n} rows: the product differs from F.linear by {err:.2e}")
+    for dtype, packing, tol in ((torch.float32, "mkl", 1e-4), (torch.bfloat16, "onednn", 2e-2)):
+        if packing_for(dtype) != packing:
+            raise _broken(f"the operators that pack {dtype} weights ({packing}) are missing")
+        weight = torch.randn(96, 64, generator=gen).to(dtype)
+        packed = pack(weight, packing, rows)
+        for n in (rows, rows - 1, 1):  # for "mkl", the packed product, then the fallback for other row counts
+            x = torch.randn(n, 64, generator=gen).to(dtype)
+            got = mkl_linear(x, packed, weight, rows) if packing == "mkl" else onednn_linear(x, packed)
+            want = F.linear(x, weight)
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise _broken(f"{packing}, {n} rows: {got.dtype} {tuple(got.shape)}, F.linear's "
+                              f"{want.dtype} {tuple(want.shape)}")
+            err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+            if not err <= tol:
+                raise _broken(f"{packing}, {n} rows: the product differs from F.linear by {err:.2e} (relative)")

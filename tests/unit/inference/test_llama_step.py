@@ -72,7 +72,7 @@ def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_
     model, _ = tiny_model_and_tokenizer(0)
     assert next(model.parameters()).dtype == torch.float32
     packed_rows: list[int] = []
-    real = torch_internals.packed_linear
+    real = torch_internals.mkl_linear
 
     def counting(x: Any, packed: Any, weight: Any, rows: int) -> Any:
         packed_rows.append(int(x.shape[0]))
@@ -85,7 +85,7 @@ def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_
         if fast:
             assert llama_step.step_for(model) is not None  # probed before counting
         with monkeypatch.context() as m:
-            m.setattr(torch_internals, "packed_linear", counting)
+            m.setattr(torch_internals, "mkl_linear", counting)
             if not fast:
                 m.setattr(llama_step, "step_for", lambda model: None)
             logits = []
@@ -102,6 +102,23 @@ def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_
     assert packed_rows == [32] * per_step + [16] * per_step, "the 20- and 6-row steps were not padded and packed"
     for f, p in zip(out[True], out[False], strict=True):
         torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_steps_multiply_on_onednn_packed_weights_and_match_the_forward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from boltstream.inference import torch_internals
+
+    model = tiny_model_and_tokenizer(0)[0].to(torch.bfloat16)
+    rows: list[int] = []
+    real = torch_internals.onednn_linear
+
+    def counting(x: Any, packed: Any) -> Any:
+        rows.append(int(x.shape[0]))
+        return real(x, packed)
+
+    monkeypatch.setattr(torch_internals, "onednn_linear", counting)
+    assert llama_step.probe(model) is None  # the step's logits within bf16 rounding of the model's forward
+    assert set(rows) == {2}, "the 2-row step did not multiply on packed weights (nor pad: bf16 needs none)"
 
 
 def test_the_probe_accepts_llama_and_refuses_what_it_cannot_reproduce() -> None:
