@@ -168,6 +168,7 @@ class _Product:
     def __init__(self, weight: Any, packing: str | None) -> None:
         self.weight = weight
         self.packing = packing
+        # row count -> packed copy ("onednn": one copy, under 0, for every count)
         self.packs: dict[int, Any] = {0: torch_internals.pack(weight, "onednn")} if packing == "onednn" else {}
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
@@ -300,7 +301,7 @@ class LlamaStep:
 
         A decode step is a few hundred small operations, each paying torch's dispatch: the norms are one
         ``rms_norm`` call each, the rotation turns q and k together (they sit side by side in the fused
-        product), and each residual add rides in its product."""
+        product), and each residual is added to its product's output in place (or in ``addmm``)."""
         import torch.nn.functional as F
 
         q_out, kv_out, _ = self.splits
