@@ -30,6 +30,10 @@ def _tasks(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# Held-out tasks sampled in one generate call (each task's attempts side by side, left-padded).
+SCORE_TASKS_PER_CALL = 8
+
+
 def score(model: Any, tokenizer: Any, agent: ModuleType, tasks: list[dict[str, Any]], samples: int,
           seed: int) -> dict[str, Any]:
     """Every task ``samples`` times at the agent's temperature: mean reward per task, its mean and SE."""
@@ -39,14 +43,17 @@ def score(model: Any, tokenizer: Any, agent: ModuleType, tasks: list[dict[str, A
     model.eval()
     per_task = []
     tokenizer.padding_side = "left"
-    for task in tasks:
-        prompt = tokenizer.apply_chat_template(agent.messages(task), add_generation_prompt=True, tokenize=False)
-        inputs = tokenizer([prompt] * samples, return_tensors="pt", padding=True)
+    for i in range(0, len(tasks), SCORE_TASKS_PER_CALL):
+        chunk = tasks[i:i + SCORE_TASKS_PER_CALL]
+        prompts = [tokenizer.apply_chat_template(agent.messages(t), add_generation_prompt=True, tokenize=False)
+                   for t in chunk]
+        inputs = tokenizer([p for p in prompts for _ in range(samples)], return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(**inputs, do_sample=True, temperature=agent.TEMPERATURE, top_p=1.0, top_k=0,
                                  max_new_tokens=agent.MAX_TOKENS, pad_token_id=tokenizer.pad_token_id)
         replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        per_task.append(sum(agent.reward(task, r) for r in replies) / samples)
+        per_task += [sum(agent.reward(t, r) for r in replies[j * samples:(j + 1) * samples]) / samples
+                     for j, t in enumerate(chunk)]
     mean, se = mean_and_se(per_task)
     return {"score": mean, "se": se, "tasks": len(tasks), "samples_per_task": samples, "per_task": per_task}
 
