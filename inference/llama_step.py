@@ -368,10 +368,17 @@ def _shape_problem(model: Any) -> str | None:
 
 
 def probe(model: Any) -> str | None:
-    """None if :class:`LlamaStep` reproduces ``model``'s own decode step on it, else the reason it does not.
+    """None if :class:`LlamaStep` reproduces ``model``'s own decode step on it, else the reason it does not."""
+    return _probed(model)[1]
+
+
+def _probed(model: Any) -> tuple[LlamaStep | None, str | None]:
+    """``(the step it checked, None)`` if :class:`LlamaStep` reproduces ``model``'s own decode step on it,
+    else ``(None, the reason)``.
 
     Runs a 2-row, left-padded prompt through the model, then one step both ways (the
-    plain-torch one as 2 rows and padded to the packed row count), and compares the logits (relative to their scale, 1e-4 in float32; bf16/fp16
+    plain-torch one as 2 rows and padded to the packed row count), and compares the
+    logits (relative to their scale, 1e-4 in float32; bf16/fp16
     weights round differently in the two orders of operations: 5e-2)."""
     import torch
 
@@ -379,7 +386,7 @@ def probe(model: Any) -> str | None:
 
     problem = _shape_problem(model)
     if problem is not None:
-        return problem
+        return None, problem
     device = next(model.parameters()).device
     ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]], device=device) % model.config.vocab_size
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=device)
@@ -397,13 +404,14 @@ def probe(model: Any) -> str | None:
             for min_rows in (step.min_rows, 1):  # as 2 rows, then padded to the packed count (if any)
                 step.min_rows = min_rows
                 got.append(step(nxt[:, 0], pos[:, -1:] + 1, mask2, KVBuffer.from_layers(layers)))
+            step.min_rows = PACK_MIN_ROWS
     except Exception as exc:  # any shape or API mismatch: the model's own forward serves
-        return f"the step failed on this model: {type(exc).__name__}: {exc}"
+        return None, f"the step failed on this model: {type(exc).__name__}: {exc}"
     tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
     err = max(float((g - ref).abs().max() / ref.abs().max().clamp(min=1e-6)) for g in got)
     if not err <= tol:
-        return f"the step's logits differ from the model's forward by {err:.2e} (relative; bound {tol:g})"
-    return None
+        return None, f"the step's logits differ from the model's forward by {err:.2e} (relative; bound {tol:g})"
+    return step, None
 
 
 def step_for(model: Any) -> LlamaStep | None:
@@ -411,10 +419,8 @@ def step_for(model: Any) -> LlamaStep | None:
     model must decode through its own forward (the reason is logged once)."""
     if model in _steps:
         return _steps[model]
-    problem = probe(model)
-    step = None
+    step, problem = _probed(model)  # the checked step serves: its weights are fused and packed once
     if problem is None:
-        step = LlamaStep(model)
         log.info("decode steps run as plain torch over a preallocated KV buffer (%s)", type(model).__name__)
     else:
         log.info("decode steps run through the model's own forward: %s", problem)
