@@ -40,6 +40,7 @@ from demo_seeds import SIGNIFICANT_SE, replace_block
 from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.examples.sql.tasks import KIND_SETS as SQL_KIND_SETS
 from boltstream.learner.config import LearnerConfig
+from boltstream.runs.pipeline import mean_and_se
 from boltstream.weights.models import cpu_facts, describe_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,13 +187,41 @@ def collect(out: Path) -> list[Row]:
     return rows
 
 
+def side_by_side(rows: Sequence[Row]) -> list[str]:
+    """boltstream (at the defaults) against TRL, per agent, on the seeds both ran: each system's improvement
+    averaged over those seeds, the per-seed difference (mean ± SE across seeds: one run of either system is
+    one draw of a noisy process, so only the spread over seeds says whether a gap is real) and s/step."""
+    lines = []
+    for agent in dict.fromkeys(r.agent for r in rows):
+        ours = {r.seed: r for r in rows if r.agent == agent and r.system == "boltstream"}
+        theirs = {r.seed: r for r in rows if r.agent == agent and r.system == "trl"}
+        seeds = sorted(ours.keys() & theirs.keys())
+        if not seeds:
+            continue
+        gap, gap_se = mean_and_se([ours[s].improvement - theirs[s].improvement for s in seeds])
+        mean_ours = sum(ours[s].improvement for s in seeds) / len(seeds)
+        mean_theirs = sum(theirs[s].improvement for s in seeds) / len(seeds)
+        step_ours = sum(ours[s].step_s for s in seeds) / len(seeds)
+        step_theirs = sum(theirs[s].step_s for s in seeds) / len(seeds)
+        spread = f" ± {gap_se:.3f}" if len(seeds) > 1 else ""
+        lines.append(f"| {agent} | {','.join(map(str, seeds))} | {mean_ours:+.3f} | {mean_theirs:+.3f} | "
+                     f"{gap:+.3f}{spread} | {step_ours:.1f} s / {step_theirs:.1f} s "
+                     f"({step_theirs / step_ours if step_ours else 0:.1f}x) |")
+    if not lines:
+        return []
+    return ["", "| agent | seeds both ran | boltstream improvement | TRL improvement | boltstream − TRL | "
+                "s/step boltstream / TRL |", "|---|---|---|---|---|---|", *lines]
+
+
 def table(rows: Sequence[Row], machine: str) -> str:
     head = ("| agent | system | seed | before | after | improvement (paired) | steps | wall | s/step |\n"
             "|---|---|---|---|---|---|---|---|---|")
     shapes = "; ".join(f"{a.name}: {a.shape}" for a in SUITE)
     attempts = " / ".join(str(n) for n in sorted({r.eval_samples for r in rows if r.eval_samples}))
     scored = f" Each held-out task attempted {attempts} times before and after." if attempts else ""
-    return "\n".join([head, *(r.line() for r in rows), "", f"✓: more than {SIGNIFICANT_SE:g} paired SE.{scored} "
+    return "\n".join([head, *(r.line() for r in rows), *side_by_side(rows), "",
+                      f"✓: more than {SIGNIFICANT_SE:g} paired SE.{scored} Side by side: improvements averaged over "
+                      f"the seeds both systems ran, their difference per seed as mean ± SE across seeds. "
                       f"Agents: {shapes}. Machine: {machine}."])
 
 

@@ -46,6 +46,22 @@ def test_the_table_holds_every_summary_found(tmp_path: Path) -> None:
     assert "Each held-out task attempted 4 times before and after." in text
 
 
+def test_side_by_side_compares_the_seeds_both_systems_ran() -> None:
+    def r(system: str, seed: int, improvement: float, step_s: float) -> Any:
+        return suite.Row("choose", system, seed, 0.2, 0.2 + improvement, improvement, 0.05, 8, 100.0, step_s)
+
+    rows = [r("boltstream", 0, 0.10, 10.0), r("boltstream", 1, 0.30, 12.0), r("boltstream", 2, 0.9, 11.0),
+            r("trl", 0, 0.20, 30.0), r("trl", 1, 0.10, 36.0), r("boltstream[lr]", 0, 0.5, 1.0)]
+    lines = suite.side_by_side(rows)
+    # seeds 0 and 1 only (TRL never ran seed 2; other settings are not "boltstream"): means 0.2 and 0.15,
+    # differences -0.1 and +0.2 -> mean +0.05, SE = sd / sqrt(2) = 0.2121 / 1.414 = 0.15; s/step 11 vs 33
+    assert lines[-1] == "| choose | 0,1 | +0.200 | +0.150 | +0.050 ± 0.150 | 11.0 s / 33.0 s (3.0x) |"
+    assert suite.side_by_side([r("trl", 0, 0.2, 30.0), r("boltstream", 1, 0.2, 10.0)]) == []
+    one = suite.side_by_side([r("trl", 0, 0.2, 30.0), r("boltstream", 0, 0.25, 10.0)])[-1]
+    assert "| +0.050 |" in one  # one seed: no spread to show
+    assert "| boltstream − TRL |" in suite.table(rows, "m")
+
+
 def test_each_boltstream_run_is_the_train_command_at_the_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
     ran: list[list[str]] = []
