@@ -39,7 +39,6 @@ from demo_seeds import SIGNIFICANT_SE, replace_block
 
 from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.examples.sql.tasks import KIND_SETS as SQL_KIND_SETS
-from boltstream.learner.config import LearnerConfig
 from boltstream.runs.pipeline import mean_and_se
 from boltstream.weights.models import cpu_facts, describe_cpu
 
@@ -99,12 +98,10 @@ SUITE = (
 )
 
 
-def write_tasks(agent: Agent, seed: int, data: Path, steps: int = 0) -> tuple[Path, Path]:
-    """The agent's seeded train/test split as JSONL under ``data``. A training split shorter than ``steps``
-    steps at the default groups a step is written several times over (epochs; every pass after the first
-    with ids of its own, which the task publisher requires): the runner takes each task once."""
+def write_tasks(agent: Agent, seed: int, data: Path) -> tuple[Path, Path]:
+    """The agent's seeded train/test split as JSONL under ``data`` (``boltstream train`` takes a training file
+    shorter than its run several times over; TRL's single-call agents have more tasks than 8 steps take)."""
     train, test = importlib.import_module(f"{agent.module}.tasks").train_test(seed=seed, **dict(agent.tasks))
-    train = epochs(train, steps * LearnerConfig().groups_per_step)
     data.mkdir(parents=True, exist_ok=True)
     paths = data / "train.jsonl", data / "test.jsonl"
     for path, tasks in zip(paths, (train, test), strict=True):
@@ -112,17 +109,10 @@ def write_tasks(agent: Agent, seed: int, data: Path, steps: int = 0) -> tuple[Pa
     return paths
 
 
-def epochs(tasks: list[dict[str, Any]], needed: int) -> list[dict[str, Any]]:
-    """``tasks`` repeated until there are at least ``needed``; pass k > 0 suffixes every id with ``~k``."""
-    passes = max(1, -(-needed // max(len(tasks), 1)))
-    return [t if k == 0 else {**t, **{f: f"{t[f]}~{k}" for f in ("id", "task_id") if f in t}}
-            for k in range(passes) for t in tasks]
-
-
 def run_boltstream(agent: Agent, seed: int, steps: int, out: Path, eval_samples: int, extra: Sequence[str] = ()
                    ) -> int:
     """``boltstream train`` at the defaults (or with ``extra`` flags), as typed; its log beside its summary."""
-    train, test = write_tasks(agent, seed, out / "data", steps)
+    train, test = write_tasks(agent, seed, out / "data")
     cmd = [*(INSTRUMENT if agent.instrumented else ()), "boltstream", "train", "--agent",
            f"{agent.module}.agent:solve", "--train", str(train), "--test", str(test), "--steps", str(steps),
            "--seed", str(seed), "--eval-samples", str(eval_samples), "--out", str(out), "--no-live",
@@ -138,7 +128,7 @@ def run_trl(agent: Agent, seed: int, steps: int, out: Path, eval_samples: int) -
     """TRL's GRPOTrainer with boltstream's defaults where the two share a knob; writes out/summary.json."""
     from trl_side import train_and_score
 
-    train, test = write_tasks(agent, seed, out / "data", steps)
+    train, test = write_tasks(agent, seed, out / "data")
     summary = train_and_score(importlib.import_module(f"{agent.module}.agent"), train, test, seed, steps, out,
                               eval_samples)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

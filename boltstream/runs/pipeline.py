@@ -247,6 +247,35 @@ def load_tasks(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     return tasks[:limit] if limit else tasks
 
 
+def repeat_tasks(tasks: list[dict[str, Any]], needed: int) -> list[dict[str, Any]]:
+    """``tasks`` taken whole, again and again, until there are at least ``needed``. The runner takes each
+    published task once and the publisher refuses a duplicate id, so pass k > 0 suffixes ``id`` (and
+    ``task_id``) with ``~k``; a task without an id gets ``<its line>~k`` (the publisher hashes the first
+    pass's payloads)."""
+    passes = max(1, -(-needed // max(len(tasks), 1)))
+    out = list(tasks)
+    for k in range(1, passes):
+        for line, t in enumerate(tasks):
+            ids = {f: f"{t[f]}~{k}" for f in ("id", "task_id") if f in t}
+            out.append({**t, **(ids or {"id": f"{line}~{k}"})})
+    return out
+
+
+def enough_tasks(path: Path, needed: int, out: Path) -> Path:
+    """The training file a run of ``needed`` tasks reads: ``path`` when it holds that many, else ``out``
+    written with :func:`repeat_tasks` (a short task file otherwise ends a run before its last step: the
+    learner waits for groups nobody will start, until the time budget)."""
+    tasks = load_tasks(path)
+    if len(tasks) >= needed:
+        return path
+    repeated = repeat_tasks(tasks, needed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(t) + "\n" for t in repeated))
+    log.info("%s holds %d training tasks and the run takes %d: training on %d passes over them (%s)", path,
+             len(tasks), needed, len(repeated) // max(len(tasks), 1), out)
+    return out
+
+
 def mean_and_se(per_task: list[float]) -> tuple[float, float]:
     """Mean over tasks and its standard error (tasks are the independent units)."""
     n = len(per_task)

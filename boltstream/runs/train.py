@@ -40,6 +40,7 @@ from boltstream.runs.pipeline import (
     ZERO_CODE_PROMPT_WINDOW_S,
     PipelineConfig,
     component_env,
+    enough_tasks,
     evaluate,
     load_tasks,
     mean_and_se,
@@ -410,8 +411,17 @@ def zero_code(program: str | None, train: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cfg = config_from_args(args, Path("out/train"), agent=args.agent, train=args.train, test=args.test,
-                           **zero_code(args.agent_program, args.train))
+
+    def config(train: Path) -> PipelineConfig:
+        return config_from_args(args, Path("out/train"), agent=args.agent, train=train, test=args.test,
+                                **zero_code(args.agent_program, train))
+
+    cfg = config(args.train)
+    # every step's groups are tasks of their own: a file shorter than the run is taken several times
+    needed = cfg.steps * cfg.learner_config().groups_per_step
+    train = enough_tasks(args.train, needed, cfg.out / "data" / "train-repeated.jsonl")
+    if train != args.train:
+        cfg = config(train)
     stop_on_sigterm()
     with choose_display("boltstream train", args.no_live) as display:
         summary = run(cfg, external=args.external, display=display)

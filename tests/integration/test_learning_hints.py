@@ -2,7 +2,8 @@
 the hint, printed in the piped output and kept in summary.json; one whose rewards spread gets none.
 
 The agents are a user's own file (``--agent path/agents.py:function``), calling the worker once per
-rollout with the plain openai SDK; the tiny model, 3 steps of one group of 2 attempts.
+rollout with the plain openai SDK; the tiny model, 3 steps of one group of 2 attempts. The spreading
+agent's training file holds 2 tasks for the run's 3 groups: the run takes it twice and ends on time.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def spread(task, ctx):
 def test_a_run_whose_groups_score_alike_is_told_why_and_one_that_spreads_is_not(
         tmp_path: Path, boltstream_cmd: list[str], agent: str) -> None:
     (tmp_path / "agents.py").write_text(AGENTS)
-    for name, n in (("train", 8), ("test", 2)):
+    for name, n in (("train", 8 if agent == "alike" else 2), ("test", 2)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": f"{name}-{i}"}) + "\n" for i in range(n)))
     out = tmp_path / "out"
     argv = [*boltstream_cmd, "train", "--agent", f"{tmp_path / 'agents.py'}:{agent}", "--train",
@@ -70,3 +71,9 @@ def test_a_run_whose_groups_score_alike_is_told_why_and_one_that_spreads_is_not(
         assert [(r["alike_reward_mean"], r["group_reward_min"], r["group_reward_max"]) for r in rows] == \
             [(None, 0.5, 0.5)] * 3
         assert summary["hints"] == {} and "not learning?" not in said
+        # the short file: its second pass has ids of its own, and the steps trained from both passes
+        repeated = (out / "data" / "train-repeated.jsonl").read_text().splitlines()
+        taken = [json.loads(line)["id"] for line in repeated]
+        assert taken == ["train-0", "train-1", "train-0~1", "train-1~1"]
+        trained = [b.split(":")[0] for r in rows for b in r["batch_ids"]]
+        assert len(trained) == 3 and set(trained) <= set(taken) and any("~1" in t for t in trained), trained

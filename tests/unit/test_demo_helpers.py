@@ -1,15 +1,20 @@
-"""The demo's small helpers: the worker counter read for the live table, SIGTERM handling."""
+"""The demo's small helpers: the worker counter read for the live table, SIGTERM handling, a short training
+file taken several times."""
 
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from boltstream.producers.tasks import validate
+from boltstream.runs.pipeline import enough_tasks, load_tasks, repeat_tasks
 from boltstream.runs.progress import worker_counter
 from boltstream.runs.train import stop_on_sigterm
 
@@ -67,3 +72,20 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_says_what_it_waits_for(caplog) -> No
         assert "up to 300 s" in caplog.text and "a second signal" in caplog.text
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_short_task_file_is_taken_again_with_ids_of_their_own(tmp_path: Path) -> None:
+    tasks = [{"id": "a", "task_id": "a", "q": 1}, {"id": "b", "q": 2}, {"q": 3}]
+    assert repeat_tasks(tasks, 7) == [  # 3 passes: the fewest that hold 7
+        *tasks,
+        {"id": "a~1", "task_id": "a~1", "q": 1}, {"id": "b~1", "q": 2}, {"id": "2~1", "q": 3},
+        {"id": "a~2", "task_id": "a~2", "q": 1}, {"id": "b~2", "q": 2}, {"id": "2~2", "q": 3}]
+    assert repeat_tasks(tasks, 3) == tasks and repeat_tasks(tasks, 0) == tasks
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    assert enough_tasks(path, 3, tmp_path / "more.jsonl") == path and not (tmp_path / "more.jsonl").exists()
+    more = enough_tasks(path, 4, tmp_path / "more.jsonl")
+    assert more == tmp_path / "more.jsonl" and load_tasks(more) == repeat_tasks(tasks, 4)
+    # what the task publisher checks: every id (or, without one, every payload) appears once
+    good, bad = validate(enumerate(load_tasks(more), start=1))
+    assert bad == [] and len(good) == 6
