@@ -27,6 +27,7 @@ from boltstream.inference.cli import ServeConfig
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.roles import Role, parse_role
+from boltstream.producers.tasks import read_rows, validate
 from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
 
@@ -262,17 +263,22 @@ def repeat_tasks(tasks: list[dict[str, Any]], needed: int) -> list[dict[str, Any
 
 
 def enough_tasks(path: Path, needed: int, out: Path) -> Path:
-    """The training file a run of ``needed`` tasks reads: ``path`` when it holds that many, else ``out``
-    written with :func:`repeat_tasks` (a short task file otherwise ends a run before its last step: the
-    learner waits for groups nobody will start, until the time budget)."""
-    tasks = load_tasks(path)
-    if len(tasks) >= needed:
+    """The training file a run of ``needed`` tasks reads: ``path`` when it holds that many valid tasks (or
+    none: the task publisher then says why), else ``out``, JSONL written with :func:`repeat_tasks` of its
+    valid tasks (a short task file otherwise ends a run before its last step: the learner waits for groups
+    nobody will start, until the time budget). Read as the publisher reads it: JSONL or Parquet, the
+    publisher's reasons for each line it would skip logged."""
+    good, bad = validate(read_rows(Path(path)))
+    if not good or len(good) >= needed:
         return path
+    for b in bad:
+        log.warning("%s line %d skipped: %s", path, b.line, b.reason)
+    tasks = [json.loads(t.payload_json) for t in good]
     repeated = repeat_tasks(tasks, needed)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(t) + "\n" for t in repeated))
     log.info("%s holds %d training tasks and the run takes %d: training on %d passes over them (%s)", path,
-             len(tasks), needed, len(repeated) // max(len(tasks), 1), out)
+             len(tasks), needed, len(repeated) // len(tasks), out)
     return out
 
 

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from boltstream.producers.tasks import validate
@@ -89,3 +91,9 @@ def test_a_short_task_file_is_taken_again_with_ids_of_their_own(tmp_path: Path) 
     # what the task publisher checks: every id (or, without one, every payload) appears once
     good, bad = validate(enumerate(load_tasks(more), start=1))
     assert bad == [] and len(good) == 6
+    # read as the publisher reads: a line it would skip is not repeated, a Parquet file is read too
+    path.write_text(path.read_text() + "{not json\n")
+    assert load_tasks(enough_tasks(path, 4, tmp_path / "more.jsonl")) == repeat_tasks(tasks, 4)
+    pq.write_table(pa.Table.from_pylist([{"id": "p", "q": 1}]), tmp_path / "train.parquet")
+    assert load_tasks(enough_tasks(tmp_path / "train.parquet", 2, tmp_path / "pq.jsonl")) == [
+        {"id": "p", "q": 1}, {"id": "p~1", "q": 1}]
