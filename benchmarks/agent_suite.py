@@ -203,16 +203,25 @@ def side_by_side(rows: Sequence[Row]) -> list[str]:
                 "s/step boltstream / TRL |", "|---|---|---|---|---|---|", *lines]
 
 
-def table(rows: Sequence[Row], machine: str) -> str:
+def versions(out: Path) -> dict[str, str]:
+    """The package versions TRL's runs under ``out`` recorded (trl, transformers, torch, peft)."""
+    found: dict[str, str] = {}
+    for path in sorted(out.glob("*/trl-*/summary.json")):
+        found.update(json.loads(path.read_text()).get("versions", {}))
+    return found
+
+
+def table(rows: Sequence[Row], machine: str, packages: dict[str, str] | None = None) -> str:
     head = ("| agent | system | seed | before | after | improvement (paired) | steps | wall | s/step |\n"
             "|---|---|---|---|---|---|---|---|---|")
     shapes = "; ".join(f"{a.name}: {a.shape}" for a in SUITE)
     attempts = " / ".join(str(n) for n in sorted({r.eval_samples for r in rows if r.eval_samples}))
     scored = f" Each held-out task attempted {attempts} times before and after." if attempts else ""
+    listed = f" Versions: {', '.join(f'{k} {v}' for k, v in sorted(packages.items()))}." if packages else ""
     return "\n".join([head, *(r.line() for r in rows), *side_by_side(rows), "",
                       f"✓: more than {SIGNIFICANT_SE:g} paired SE.{scored} Side by side: improvements averaged over "
                       f"the seeds both systems ran, their difference per seed as mean ± SE across seeds. "
-                      f"Agents: {shapes}. Machine: {machine}."])
+                      f"Agents: {shapes}. Machine: {machine}.{listed}"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_trl(agent, seed, args.steps, args.out / agent.name / f"trl-{seed}", args.eval_samples)
             print(f"{agent.name} trl seed {seed}: {time.monotonic() - t0:.0f} s", flush=True)
     machine = describe_cpu(cpu_facts())
-    text = table(collect(args.out), machine)
+    text = table(collect(args.out), machine, versions(args.out))
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "agent_suite.md").write_text(text + "\n")

@@ -37,6 +37,10 @@ def test_the_table_holds_every_summary_found(tmp_path: Path) -> None:
     for (agent, run), data in runs.items():
         (tmp_path / agent / run).mkdir(parents=True)
         (tmp_path / agent / run / "summary.json").write_text(json.dumps(data))
+    trl = json.loads((tmp_path / "extract" / "trl-0" / "summary.json").read_text())
+    (tmp_path / "extract" / "trl-0" / "summary.json").write_text(json.dumps({**trl, "versions": {"trl": "1.16.0"}}))
+    assert suite.versions(tmp_path) == {"trl": "1.16.0"}
+    assert suite.table([], "m", suite.versions(tmp_path)).endswith("Machine: m. Versions: trl 1.16.0.")
     rows = suite.collect(tmp_path)
     assert [(r.system, r.seed) for r in rows] == [("boltstream", 0), ("boltstream[demo]", 1), ("trl", 0)]
     assert [r.significant for r in rows] == [True, False, False]  # +0.25 is 5 SE; +0.05 is 1 SE
