@@ -22,10 +22,10 @@ from tests.integration.streams.stream_workload import interleaved_spans, make_wo
 TASKS, GROUP = 50, 4
 
 
-# Fails about 1 run in 5 on Tansu, with the stream code of this commit and of the one before the changelog
-# catch-up was last touched alike: the restarted worker's faust recovery raises ConsistencyError (a persisted
-# changelog offset above the high watermark Tansu reports, which is its last batch's base offset + 1), or the
-# survivors stall after the rebalance. One rerun; the cause is open (docs/streams.md).
+# Failed about 1 run in 5 on Tansu while faust's recovery consistency check was on (the restarted worker raised
+# ConsistencyError over Tansu's short high watermark; the stream app turns the check off, docs/streams.md), and
+# now and then the survivors stalled after the rebalance: not seen in 20 runs since, but not explained either,
+# so one rerun stays.
 @pytest.mark.flaky(reruns=1)
 async def test_sigkill_one_of_two_workers_mid_stream(settings: Settings, start_worker, app_id, record_property) -> None:
     rollouts = make_workload(TASKS, GROUP, seed=23, run=settings.namespace)
