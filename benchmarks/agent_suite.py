@@ -189,10 +189,9 @@ def side_by_side(rows: Sequence[Row]) -> list[str]:
         if not seeds:
             continue
         gap, gap_se = mean_and_se([ours[s].improvement - theirs[s].improvement for s in seeds])
-        mean_ours = sum(ours[s].improvement for s in seeds) / len(seeds)
-        mean_theirs = sum(theirs[s].improvement for s in seeds) / len(seeds)
-        step_ours = sum(ours[s].step_s for s in seeds) / len(seeds)
-        step_theirs = sum(theirs[s].step_s for s in seeds) / len(seeds)
+        (mean_ours, _), (mean_theirs, _), (step_ours, _), (step_theirs, _) = (
+            mean_and_se([getattr(runs[s], field) for s in seeds])
+            for runs, field in ((ours, "improvement"), (theirs, "improvement"), (ours, "step_s"), (theirs, "step_s")))
         spread = f" ± {gap_se:.3f}" if len(seeds) > 1 else ""
         lines.append(f"| {agent} | {','.join(map(str, seeds))} | {mean_ours:+.3f} | {mean_theirs:+.3f} | "
                      f"{gap:+.3f}{spread} | {step_ours:.1f} s / {step_theirs:.1f} s "
