@@ -171,6 +171,10 @@ class _Product:
         # row count -> packed copy ("onednn": one copy, under 0, for every count)
         self.packs: dict[int, Any] = {0: torch_internals.pack(weight, "onednn")} if packing == "onednn" else {}
 
+    def repack(self) -> None:
+        """Pack the weight again, for the row counts packed so far (after it changed in place)."""
+        self.packs = {rows: torch_internals.pack(self.weight, self.packing, rows) for rows in self.packs}
+
     def __call__(self, x: Any, residual: Any = None) -> Any:
         import torch
         import torch.nn.functional as F
@@ -227,6 +231,20 @@ class LlamaStep:
         # norms' epsilons as the modules keep them
         self.eps = [(_eps(la.input_layernorm), _eps(la.post_attention_layernorm)) for la in self.layers]
         self.norm_shape = (int(cfg.hidden_size),)
+
+    def refresh(self) -> None:
+        """Take the model's weights again after they changed in place (a LoRA adapter merged into a
+        model object that served an earlier version, :mod:`.lora_merge`): the fused and the packed
+        copies. The probe that admitted the model still holds: its modules are the same ones."""
+        import torch
+
+        with torch.inference_mode():  # the step's copies were made in it (the probe runs there)
+            for layer, qkv, gate_up in zip(self.layers, self.qkv, self.gate_up, strict=True):
+                a, m = layer.self_attn, layer.mlp
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=qkv.weight)
+                torch.cat([m.gate_proj.weight, m.up_proj.weight], out=gate_up.weight)
+            for product in (*self.qkv, *self.gate_up, *self.o, *self.down, self.lm_head):
+                product.repack()
 
     def __call__(self, ids: Any, positions: Any, mask: Any, kv: KVBuffer, block: Any = None) -> Any:
         """Logits (float32, ``[batch, vocab]``) after feeding ``ids`` (``[batch]``) at ``positions``
@@ -412,6 +430,13 @@ def _probed(model: Any) -> tuple[LlamaStep | None, str | None]:
     if not err <= tol:
         return None, f"the step's logits differ from the model's forward by {err:.2e} (relative; bound {tol:g})"
     return step, None
+
+
+def refresh(model: Any) -> None:
+    """After ``model``'s weights changed in place: its step (if it has one) takes them again."""
+    step = _steps.get(model)
+    if step is not None:
+        step.refresh()
 
 
 def step_for(model: Any) -> LlamaStep | None:

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -111,6 +112,8 @@ class TransformersBackend(WeightSwapping):
         self._vocab = model.get_output_embeddings().weight.shape[0]
         self._peft: Any = None
         self._slot_shapes: dict[str, dict[str, Any]] = {}
+        self._spare: Any = None
+        self._merged: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
         # One policy per adapter (all on the base weights until their first checkpoint), or one: key None.
         self._policies: dict[str | None, Policy] = {k: Policy(model, policy_version)
                                                     for k in (self.adapters or (None,))}

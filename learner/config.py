@@ -166,6 +166,8 @@ class LearnerConfig:
     # --- when to stop
     max_steps: int | None = opt(None, "stop after this many learner steps in total, resumed ones included")
     idle_exit_s: float | None = opt(None, "stop when no record arrived for this many seconds")
+    hold_file: str | None = opt(None, "while this file exists, take no step (records are still read in); "
+                                      "`boltstream train` holds its learners so while it scores the base policy")
     # --- bookkeeping
     max_pending_batches: int = opt(1000, "incomplete split batches held before the oldest is dropped")
     dedupe_window: int = opt(100_000, "batch/sample ids remembered (and checkpointed) to drop duplicates")

@@ -31,6 +31,7 @@ by ``boltstream train`` / ``demo`` runs on tcmalloc where it is installed (:mod:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import tempfile
@@ -62,6 +63,9 @@ from .step import warmup_lr
 from .trainer import Trainer, make_trainer
 
 logger = logging.getLogger(__name__)
+
+# How often a held learner looks whether its hold file is gone (reading records in between).
+HOLD_CHECK_MS = 100
 
 
 @dataclass
@@ -228,6 +232,20 @@ class _Run:
     def running(self) -> bool:
         return not self.stop.is_set() and (self.cfg.max_steps is None or self.step < self.cfg.max_steps)
 
+    async def held(self, data: OfflineData | BatchSource) -> bool:
+        """Whether ``cfg.hold_file`` holds the steps (reading records in meanwhile). When a hold ends, the
+        next step's window (its timeline) starts then: the time held was nobody's step."""
+        hold = self.cfg.hold_file
+        if hold is None or not Path(hold).exists():
+            return False
+        self.say(f"held while {hold} exists")
+        while Path(hold).exists() and not self.stop.is_set():
+            if not await data.poll(HOLD_CHECK_MS):  # nothing to read (an offline epoch's end): wait all the same
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), HOLD_CHECK_MS / 1000)
+        self.last_step_at, self.last_scrape = time.perf_counter(), await self._workers()
+        return True
+
     async def offline_steps(self, offline: OfflineData) -> None:
         """Steps over the fixed dataset until every epoch is trained (then the offline phase is over)."""
         while self.running():
@@ -236,6 +254,8 @@ class _Run:
                 await offline.close()
                 self.offline = None
                 return
+            if await self.held(offline):
+                continue
             inp = offline.take_step(self.cfg.groups_per_step, self.version, self.cfg.max_staleness, self.vocab)
             if inp is None:
                 await offline.poll(self.cfg.poll_ms)
@@ -247,6 +267,8 @@ class _Run:
         cfg, source = self.cfg, self.source
         self.last_scrape = self.last_scrape or await self._workers()
         while self.running():
+            if await self.held(source):
+                continue
             # K complete groups, judged against the current policy version (staleness: online only)
             inp = source.take_step(cfg.groups_per_step, self.version, cfg.max_staleness, self.vocab)
             if inp is None:

@@ -49,9 +49,14 @@ INSTRUMENT = str(Path(sys.executable).with_name("opentelemetry-instrument"))
 ZERO_CODE_PROMPT_WINDOW_S = 600.0
 # The stream app's wait for late spans after a rollout's root span. A run's rollouts have every span in the
 # log before their root: the worker acks each LLM span before it answers, and the runner (or the agent
-# program's span processor) exports a rollout's spans in the order they end, the root last. So a run waits
-# 1 s, not the stream app's 3 s for exporters it knows nothing of: ~2 s less idle a step.
-RUN_GRACE_S = 1.0
+# program's span processor) exports a rollout's spans in the order they end, the root last, all under the
+# rollout's key (one partition). So a run's stream app closes a rollout when its root arrives, not the
+# stream app's 3 s later (kept for exporters it knows nothing of, and a worker spooling through an outage):
+# ~1.5 s less idle a step with 1 s, counting the close timer.
+RUN_GRACE_S = 0.0
+# The file (in the run's folder) that holds the run's learners while it evaluates the base policy
+# (``learn --hold-file``): the agents already roll out on that policy meanwhile.
+HOLD_FILE = "hold-learners"
 ZERO_CODE_ENV = {"OTEL_TRACES_EXPORTER": "boltstream", "OTEL_PYTHON_EXCLUDED_URLS": "/health,/feedback"}
 
 
@@ -164,7 +169,7 @@ class PipelineConfig:
         def learner(name: str, *role: str) -> list[str]:
             metrics = ["--metrics-path", str(paths[name])] if name in paths else []
             return ["learn", "--model", self.model, *role, "--max-steps", str(self.steps), "--checkpoint-every", "1",
-                    *metrics, "--worker-metrics", base_url.removesuffix("/v1"), *lora,
+                    "--hold-file", str(self.out / HOLD_FILE), *metrics, "--worker-metrics", base_url.removesuffix("/v1"), *lora,
                     *to_argv(LearnerConfig, self.learner)]
 
         learners = ({f"learner-{r.name}": learner(f"learner-{r.name}", "--role", f"{r.name}={r.agents.pattern}")

@@ -36,6 +36,7 @@ from boltstream.monitoring.status import ENDPOINTS_FILE
 from boltstream.monitoring.tracking import Trackers, open_trackers
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
+    HOLD_FILE,
     ZERO_CODE_ENV,
     ZERO_CODE_PROMPT_WINDOW_S,
     PipelineConfig,
@@ -179,16 +180,24 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             phase(f"starting the inference worker ({cfg.model})")
             wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
 
-            log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
-            eval_started = time.monotonic()
-            summary["before"] = evaluate_held_out("before")
-            eval_s = time.monotonic() - eval_started
+            # The pipeline starts now, its learners held: the agents' first rollouts (on the base policy too)
+            # and the components' start-up share the CPU with this evaluation instead of following it, and
+            # no learner takes a step (so no checkpoint reaches the worker) before it is over.
+            hold = out / HOLD_FILE
+            hold.touch()
+            try:
+                _start_pipeline(cfg, procs, argv, metrics)
+                log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
+                eval_started = time.monotonic()
+                summary["before"] = evaluate_held_out("before")
+                eval_s = time.monotonic() - eval_started
+            finally:
+                hold.unlink(missing_ok=True)
             log.info("before: %.3f ± %.3f", summary["before"]["score"], summary["before"]["se"])
             phase(f"before: {summary['before']['score']:.3f} ± {summary['before']['se']:.3f} held-out")
             trackers.log_metrics(_held_out(summary["before"]), 0)
 
-            summary["train_s"] = _train(cfg, procs, argv, metrics, port, (started, eval_s), display, group_size,
-                                        summary)
+            summary["train_s"] = _train(cfg, procs, metrics, port, (started, eval_s), display, group_size, summary)
             summary.update(_learners_summary(cfg, procs, metrics, roles, port))
             summary["after"] = evaluate_held_out("after")
             log.info("after: %.3f ± %.3f", summary["after"]["score"], summary["after"]["se"])
@@ -210,25 +219,31 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     return summary
 
 
-def _train(cfg: PipelineConfig, procs: Processes, argv: dict[str, list[str]], metrics: dict[str, Path], port: int,
+def _start_pipeline(cfg: PipelineConfig, procs: Processes, argv: dict[str, list[str]],
+                    metrics: dict[str, Path]) -> None:
+    """Start the stream app, the learners and the agents (the runner and the task publisher, or the agent
+    program)."""
+    for name in ("stream", *metrics):
+        procs.start(name, *argv[name])
+    if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
+        procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
+    else:
+        for name in ("tasks", "runner"):
+            procs.start(name, *argv[name])
+
+
+def _train(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port: int,
            clock: tuple[float, float], display: Any, group_size: int, summary: dict[str, Any]) -> float:
-    """Start the stream app, learners and agents, wait for the learners' steps or the time budget, stop
-    them all so that the last step is published; returns the seconds it took. ``clock``: when the run
+    """Wait for the learners' steps (released from their hold) or the time budget, stop the agents and
+    learners so that the last step is published; returns the seconds it took. ``clock``: when the run
     started and what the evaluation before took; the after-eval costs that, a little more while the last
     checkpoint loads and the other components stop: that is kept back, not more (every second is training)."""
     started, eval_s = clock
     deadline = started + cfg.time_budget_s - (1.5 * eval_s + 30.0)
     train_started = time.monotonic()
-    for name in ("stream", *metrics):
-        procs.start(name, *argv[name])
     if display is not None:
         display.phase(f"training: {cfg.steps} learner steps")
     agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
-    if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
-        procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
-    else:
-        for name in agents:
-            procs.start(name, *argv[name])
     summary["hints"] = {}  # what stuck_hint said, and at which step it first did
     summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline, display,
                                                                group_size, summary["hints"])

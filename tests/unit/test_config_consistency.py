@@ -25,7 +25,7 @@ from boltstream.inference.cli import ServeConfig
 from boltstream.inference.cli import parser as serve_parser
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
-from boltstream.runs.pipeline import RUN_GRACE_S, PipelineConfig
+from boltstream.runs.pipeline import HOLD_FILE, RUN_GRACE_S, PipelineConfig
 from boltstream.runs.train import LEARNER_SETTINGS, STREAM_SETTINGS, add_arguments, config_from_args
 from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
@@ -79,7 +79,9 @@ def train_started(run_cfg: PipelineConfig, component: str, **changes: Any) -> An
 def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> None:
     # Everything but what a run decides itself is the component's own default, the one a hand-run
     # component gets: nothing is copied, so nothing can drift.
-    assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora"]))
+    # ...but the hold while the run scores the base policy (HOLD_FILE)
+    hold = str(run_cfg.out / HOLD_FILE)
+    assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora", "--hold-file", hold]))
     # ...but the wait for late spans: a run's rollouts log their spans before their root (RUN_GRACE_S)
     assert values(train_started(run_cfg, "stream")) == values(resolve("stream", ["--grace-s", str(RUN_GRACE_S)]))
     assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "float32"]))
@@ -167,6 +169,8 @@ def test_compose_services_run_with_the_settings_train_gives_them(run_cfg: Pipeli
     expected = values(train_started(run_cfg, component))
     if component == "stream":  # compose's stream app serves any exporter: it keeps its own wait for late spans
         expected["grace_s"] = values(resolve("stream", []))["grace_s"]
+    if component == "learn":  # nothing holds compose's learner: no run scores the base policy first
+        expected["hold_file"] = None
     assert values(config) == expected
 
 

@@ -144,3 +144,27 @@ async def test_restart_resumes_weights_optimizer_and_offsets(publish_dtype, sett
     trained = [sid for s in steps for sid in s["sample_ids"]]
     assert len(trained) == len(set(trained)) == len(expected) + 8
     assert json.loads(Path(cfg.metrics_path).read_text().splitlines()[-1])["event"] == "stop"
+
+
+async def test_a_held_learner_takes_no_step_until_its_hold_file_is_gone(settings, s3_client, tmp_path: Path) -> None:
+    """``--hold-file``: `boltstream train` holds its learners while it scores the base policy. The groups
+    are in the topic all along; no step (hence no checkpoint) comes while the file exists, and the time
+    held is no step's: the first step's timeline window starts when the hold ends."""
+    records, _, _ = _data()
+    await produce(settings, records, partition=0)
+    hold = tmp_path / "hold"
+    hold.touch()
+    cfg = _config(settings, tmp_path, lora=True, max_steps=1, hold_file=str(hold))
+    held = asyncio.Event()
+    run = asyncio.create_task(train(cfg, progress=lambda line: line.startswith("held while") and held.set()))
+    await asyncio.wait_for(held.wait(), TIMEOUT)
+    held_at = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):  # an unheld learner steps on these groups in well under a second
+        await asyncio.wait_for(asyncio.shield(run), 5.0)
+    assert read_steps(read_records(cfg.metrics_path)) == []
+    hold.unlink()
+    released_after = asyncio.get_running_loop().time() - held_at
+    result = await asyncio.wait_for(run, TIMEOUT)
+    (step,) = read_steps(read_records(cfg.metrics_path))
+    assert result.step == 1 and [e["version"] for e in result.events] == [1]
+    assert step["timeline"]["window_s"] < released_after

@@ -209,6 +209,42 @@ async def test_merged_lora_serves_what_the_unmerged_adapter_does(tmp_path: Path)
         await merged.stop()
 
 
+async def test_merged_lora_recycles_the_copy_of_the_version_before_the_current_one(tmp_path: Path) -> None:
+    backend = await _started(_fresh(0, merge_lora=True))
+    try:
+        models = []
+        for version in (1, 2, 3, 4):
+            await backend.load_weights(_adapter(0, version, tmp_path / f"a{version}"), "lora", version)
+            await _greedy(backend)  # decodes on it: its step is probed and packed, then refreshed on reuse
+            models.append(backend._policies[None].model)
+        assert models[2] is models[0] and models[3] is models[1] and models[0] is not models[1]
+        reference = await _started(_fresh(0, merge_lora=True))  # a fresh copy with the last adapter
+        await reference.load_weights(tmp_path / "a4", "lora", 4)
+        assert await _greedy(reference) == await _greedy(backend)
+        await reference.stop()
+    finally:
+        await backend.stop()
+
+
+async def test_merged_lora_never_rewrites_a_copy_a_running_batch_decodes_on(tmp_path: Path) -> None:
+    backend = await _started(_fresh(0, max_batch_size=1, merge_lora=True))
+    try:
+        await backend.load_weights(_adapter(0, 1, tmp_path / "a1"), "lora", 1)
+        expected_v1 = await _greedy(backend, 60)
+        v1_model = backend._policies[None].model
+        started = asyncio.Event()
+        long = asyncio.create_task(backend.generate(PROMPT, SamplingParams(0.0, 1.0, 150),
+                                                    on_token=lambda *a: started.set()))
+        await started.wait()
+        await backend.load_weights(_adapter(0, 2, tmp_path / "a2"), "lora", 2)
+        await backend.load_weights(_adapter(0, 3, tmp_path / "a3"), "lora", 3)  # v1's copy is still decoding
+        assert backend._policies[None].model is not v1_model
+        old = await long
+        assert old.policy_version == 1 and old.completions[0].token_ids[:60].tolist() == expected_v1
+    finally:
+        await backend.stop()
+
+
 async def test_merged_lora_refuses_an_adapter_of_another_model(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
