@@ -24,32 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_reload import lora_checkpoints
 from machine import as_command, cpu_facts, describe_cpu, write_report
 
 RESULTS = Path(__file__).parent / "results"
 ROWS, CONTEXT = 16, 256
-
-
-def adapters(model_name: str, out: Path, count: int) -> list[Path]:
-    """``count`` rank-16 adapters on every linear layer of the decoder (the learner's defaults)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from boltstream.learner.config import LORA_TARGETS
-    from boltstream.weights.models import load_model
-
-    model, _ = load_model(model_name)
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS),
-                                                  init_lora_weights=False))
-    dirs = []
-    for i in range(count):
-        torch.manual_seed(1000 + i)
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                torch.nn.init.normal_(p, std=0.02)
-        peft_model.save_pretrained(out / f"v{i + 1}")
-        dirs.append(out / f"v{i + 1}")
-    return dirs
 
 
 def context(model: Any) -> list[tuple[Any, Any]]:
@@ -90,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from boltstream.inference.llama_step import KVBuffer
     from boltstream.inference.transformers_backend import TransformersBackend
+    from boltstream.learner.config import LORA_TARGETS
     from boltstream.weights.models import load_model, resolve_dtype
 
     dtype = resolve_dtype(args.serve_dtype) or "float32"
@@ -100,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = context(base)
     first_step(base, KVBuffer.from_layers(layers))  # the base's own step: probed and packed outside the timings
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as d:
-        dirs = adapters(args.model, Path(d), args.versions)
+        dirs = lora_checkpoints(args.model, Path(d), args.versions, LORA_TARGETS)
         ways = {"peft_fresh_copy": TransformersBackend(base, tokenizer, model_name="m", merge_lora=True),
                 "recycled_in_place": TransformersBackend(base, tokenizer, model_name="m", merge_lora=True)}
         times: dict[str, list[float]] = {w: [] for w in ways}

@@ -75,14 +75,15 @@ def full_checkpoint(model: str, out: Path, dtype: str | None = None) -> Path:
     return out
 
 
-def lora_checkpoints(model: str, out: Path, count: int) -> list[Path]:
-    """``count`` different rank-16 adapters on q/k/v/o (random, non-zero: they change the answers)."""
+def lora_checkpoints(model: str, out: Path, count: int,
+                     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> list[Path]:
+    """``count`` different rank-16 adapters on ``targets`` (random, non-zero: they change the answers)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     base, _ = load_model(model)
     peft_model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, init_lora_weights=False,
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+                                                 target_modules=list(targets)))
     dirs = []
     for i in range(count):
         torch.manual_seed(1000 + i)
