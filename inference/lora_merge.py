@@ -7,8 +7,8 @@ plain-torch decode step) a new step with its probe, fused weights and packed
 copies. Here a model object that no longer serves (the version before the
 current one) takes the next version's weights in place: for every adapted
 linear layer ``W = W_base + (B @ A) * scaling``, computed as PEFT computes it
-(the factors in float32, the sum rounded once into the weight's dtype), so the merged weights equal PEFT's bit for bit
-(a unit test compares them).
+(the factors in float32, the sum rounded once into the weight's dtype), so the
+merged weights equal PEFT's bit for bit (a unit test compares them).
 
 Only the adapters the learner writes are merged here: vanilla LoRA on
 ``nn.Linear`` layers, one rank and alpha for every layer (``use_rslora``
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def _not_plain(config: dict[str, Any]) -> str | None:
     return None
 
 
-def linear_weights(model: Any, names: list[str] | Any) -> dict[str, Any]:
+def linear_weights(model: Any, names: Iterable[str]) -> dict[str, Any]:
     """The weight of each named ``nn.Linear`` of ``model``; CheckpointError naming the first that is not one."""
     import torch
 
@@ -124,17 +125,17 @@ def merge_into(target: Any, base: Any, adapter: PlainAdapter, previously: frozen
     modules merged now (the next call's ``previously``)."""
     import torch
 
-    names = sorted(adapter.factors)
-    weights, originals = linear_weights(target, names), linear_weights(base, names)
+    names, restore = sorted(adapter.factors), sorted(previously - adapter.factors.keys())
+    weights, originals = linear_weights(target, names + restore), linear_weights(base, names + restore)
     for name in names:
         a, b = adapter.factors[name]
         out_features, in_features = originals[name].shape
-        if tuple(a.shape) != (a.shape[0], in_features) or b.shape[0] != out_features:
+        if a.shape[1] != in_features or b.shape[0] != out_features:
             raise CheckpointError(f"the adapter does not fit the model: factors of {name} ({tuple(b.shape)} @ "
                                   f"{tuple(a.shape)}) against its weight {tuple(originals[name].shape)}")
     with torch.no_grad():
-        for name in sorted(previously - set(names)):
-            linear_weights(target, [name])[name].copy_(linear_weights(base, [name])[name])
+        for name in restore:
+            weights[name].copy_(originals[name])
         for name in names:
             a, b = (t.to(weights[name].device, torch.float32) for t in adapter.factors[name])
             # PEFT loads the factors in float32 (its autocast_adapter_dtype); the sum is rounded once
