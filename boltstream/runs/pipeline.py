@@ -51,8 +51,8 @@ ZERO_CODE_PROMPT_WINDOW_S = 600.0
 # log before their root: the worker acks each LLM span before it answers, and the runner (or the agent
 # program's span processor) exports a rollout's spans in the order they end, the root last, all under the
 # rollout's key (one partition). So a run's stream app closes a rollout when its root arrives, not the
-# stream app's 3 s later (kept for exporters it knows nothing of, and a worker spooling through an outage):
-# ~1.5 s less idle a step with 1 s, counting the close timer.
+# stream app's 3 s later (kept for exporters it knows nothing of, and a worker spooling through an outage).
+# A wait of 1 s cost a step ~1.5 s of idle (the wait and the close timer's tick).
 RUN_GRACE_S = 0.0
 # The file (in the run's folder) that holds the run's learners while it evaluates the base policy
 # (``learn --hold-file``): the agents already roll out on that policy meanwhile.
@@ -169,7 +169,8 @@ class PipelineConfig:
         def learner(name: str, *role: str) -> list[str]:
             metrics = ["--metrics-path", str(paths[name])] if name in paths else []
             return ["learn", "--model", self.model, *role, "--max-steps", str(self.steps), "--checkpoint-every", "1",
-                    "--hold-file", str(self.out / HOLD_FILE), *metrics, "--worker-metrics", base_url.removesuffix("/v1"), *lora,
+                    "--hold-file", str(self.out / HOLD_FILE), *metrics,
+                    "--worker-metrics", base_url.removesuffix("/v1"), *lora,
                     *to_argv(LearnerConfig, self.learner)]
 
         learners = ({f"learner-{r.name}": learner(f"learner-{r.name}", "--role", f"{r.name}={r.agents.pattern}")
