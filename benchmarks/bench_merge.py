@@ -16,6 +16,7 @@ benchmarks/results/merge.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import platform
 import statistics
 import sys
@@ -86,23 +87,23 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {w: [] for w in ways}
         step_s: dict[str, list[float]] = {w: [] for w in ways}
         worst = 0.0
-        for path in dirs:
+        loop = asyncio.new_event_loop()  # one, as in the worker: its executor threads are reused
+        for version, path in enumerate(dirs, start=1):
             logits = {}
             for way, backend in ways.items():
                 kv = KVBuffer.from_layers(layers)
                 started = time.perf_counter()
-                if way == "peft_fresh_copy":
+                if way == "peft_fresh_copy":  # the way every version was loaded before
                     model = backend._peft_merged(path)
-                else:
-                    model = backend._merged_lora(path, backend._take_spare())
-                    retired = backend._policies[None].model
-                    backend._spare = retired if retired is not base else None
-                backend._policies[None] = type(backend._policies[None])(model, 1)
+                else:  # the worker's own reload
+                    loop.run_until_complete(backend.load_weights(path, "lora", version))
+                    model = backend._policies[None].model
                 logits[way], step = first_step(model, kv)
                 times[way].append(time.perf_counter() - started)
                 step_s[way].append(step)
             worst = max(worst, float((logits["peft_fresh_copy"] - logits["recycled_in_place"]).abs().max()))
             print(f"{path.name}: " + ", ".join(f"{w} {times[w][-1]:.2f} s" for w in ways), flush=True)
+        loop.close()
     # the first two versions of the recycled way are fresh copies too (nothing to recycle yet)
     med = {w: statistics.median(t[2:] or t) for w, t in times.items()}
     ratio = med["peft_fresh_copy"] / med["recycled_in_place"]
