@@ -8,9 +8,10 @@ on the first step (the weights that served are the weights that learn) it is 1 u
 to the numerics of the two sides. For each serving dtype: an in-process worker
 engine (the transformers backend, prefix cache on, as ``boltstream serve`` runs it)
 samples the demo's first step — ``--tasks`` training tasks x ``--group`` attempts,
-the calculator's first call at T = 1 — and the learner's model (float32, as
-``boltstream learn`` loads it) recomputes ``log_softmax(logits / T)`` of every sampled
-token. Printed per dtype: mean and max |Δ log p| over the sampled tokens, and the
+the calculator's first call at T = 1 — and the learner's model recomputes
+``log_softmax(logits / T)`` of every sampled token: in float32, and, for bf16 serving,
+also with its base weights in bfloat16 (what a run's LoRA learner computes in beside a
+bf16 worker, ``PipelineConfig.learner_dtype``). Printed per pair: mean and max |Δ log p| over the sampled tokens, and the
 fraction of them whose ratio falls outside the learner's clip range (what the first
 step's clip fraction would be from numerics alone). With the CPU's flags: bf16 on a
 CPU without native bf16 runs emulated. JSON goes to benchmarks/results/logprob_agreement.json.
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "logprob_agreement.json"))
     args = p.parse_args(argv)
     clip = StepConfig()
-    learner, tokenizer = load_model(args.model)  # float32: what the learner computes in
+    learners = {"float32": load_model(args.model, dtype="float32")[0]}
+    tokenizer = load_model(args.model)[1]
     questions = [t["question"] for t in train_test()[0][:args.tasks]]
     prompts = [render_prompt(tokenizer, [{"role": "system", "content": SYSTEM}, *EXAMPLE,
                                          {"role": "user", "content": q}], None) for q in questions]
@@ -77,15 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         served, _ = load_model(args.model, dtype=dtype)
         samples = asyncio.run(_sample(served, tokenizer, prompts, args.group))
-        diffs = torch.cat([_recompute(learner, prompt, list(c.token_ids)) - torch.tensor(list(c.logprobs))
-                           for prompt, c in samples])
-        ratio = diffs.exp()
-        clipped = ((ratio < 1 - clip.clip_low) | (ratio > 1 + clip.clip_high)).float().mean().item()
-        row = {"tokens": diffs.numel(), "mean_abs_diff": diffs.abs().mean().item(),
-               "max_abs_diff": diffs.abs().max().item(), "clip_fraction": clipped}
-        report["dtypes"][dtype] = row
-        print(f"served in {dtype}: {row['tokens']} sampled tokens, mean |Δ log p| {row['mean_abs_diff']:.2e}, "
-              f"max {row['max_abs_diff']:.2e}, outside the clip range {clipped:.2%}", flush=True)
+        if dtype == "bfloat16":
+            learners.setdefault("bfloat16", load_model(args.model, dtype="bfloat16")[0])
+        for learner_dtype in ("float32", "bfloat16") if dtype == "bfloat16" else ("float32",):
+            learner = learners[learner_dtype]
+            diffs = torch.cat([_recompute(learner, prompt, list(c.token_ids)) - torch.tensor(list(c.logprobs))
+                               for prompt, c in samples])
+            ratio = diffs.exp()
+            clipped = ((ratio < 1 - clip.clip_low) | (ratio > 1 + clip.clip_high)).float().mean().item()
+            row = {"tokens": diffs.numel(), "mean_abs_diff": diffs.abs().mean().item(),
+                   "max_abs_diff": diffs.abs().max().item(), "clip_fraction": clipped}
+            report["dtypes"][dtype if learner_dtype == "float32" else f"{dtype}/learner-{learner_dtype}"] = row
+            print(f"served in {dtype}, learner in {learner_dtype}: {row['tokens']} sampled tokens, mean |Δ log p| "
+                  f"{row['mean_abs_diff']:.2e}, max {row['max_abs_diff']:.2e}, outside the clip range {clipped:.2%}",
+                  flush=True)
     write_report(args.out, report)
     return 0
 

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("bench_exporter.py", "bench_stream.py", "bench_replay.py", "bench_serving.py",
               "bench_serving_adapters.py", "bench_reload.py", "bench_merge.py",
               "bench_propagation.py", "bench_baselines.py", "bench_export.py", "bench_vs_bare.py",
-              "bench_learner_memory.py", "bench_learner_step.py", "bench_prefix_sharing.py", "bench_prefix_cache.py",
+              "bench_learner_memory.py", "bench_learner_step.py", "bench_learner_dtype.py", "bench_prefix_sharing.py", "bench_prefix_cache.py",
               "bench_prefix_tree.py", "bench_allocators.py", "bench_threads.py", "bench_logprob_agreement.py",
               "bench_agent_step.py")
 

@@ -29,6 +29,7 @@ from boltstream.runs.pipeline import HOLD_FILE, RUN_GRACE_S, PipelineConfig
 from boltstream.runs.train import LEARNER_SETTINGS, STREAM_SETTINGS, add_arguments, config_from_args
 from boltstream.streams.cli import parser as stream_parser
 from boltstream.streams.config import StreamConfig
+from boltstream.weights.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "infra" / "docker-compose.yml"
@@ -85,6 +86,17 @@ def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> No
     # ...but the wait for late spans: a run's rollouts log their spans before their root (RUN_GRACE_S)
     assert values(train_started(run_cfg, "stream")) == values(resolve("stream", ["--grace-s", str(RUN_GRACE_S)]))
     assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "float32"]))
+
+
+@pytest.mark.parametrize(("serve_dtype", "lora", "learner_dtype"), [
+    ("bfloat16", True, "bfloat16"), ("bfloat16", False, None), ("float32", True, None), (None, True, None)])
+def test_a_lora_learner_computes_in_bfloat16_where_the_worker_serves_it(
+        run_cfg: PipelineConfig, serve_dtype: str | None, lora: bool, learner_dtype: str | None) -> None:
+    learner = train_started(run_cfg, "learn", serve_dtype=serve_dtype, lora=lora)
+    assert learner.dtype == learner_dtype
+    # "auto" follows what the worker resolves it to on this machine
+    auto = train_started(run_cfg, "learn", serve_dtype="auto")
+    assert auto.dtype == ("bfloat16" if resolve_dtype("auto") == "bfloat16" else None)
 
 
 def another_value(knob: Knob, tmp_path: Path) -> Any:

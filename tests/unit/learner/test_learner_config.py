@@ -107,6 +107,22 @@ def test_publish_dtype_is_for_full_checkpoints() -> None:
         LearnerConfig(lora=True, publish_dtype="bfloat16")
 
 
+def test_a_bfloat16_lora_learner_trains_its_adapter_in_float32() -> None:
+    # the frozen base computes in bf16; the adapter, its gradients and AdamW's moments stay float32,
+    # so small updates are not rounded away (what a run's bf16 serving path relies on)
+    trainer = TorchTrainer(LearnerConfig(model="tiny", lora=True, dtype="bfloat16", lr=1e-2))
+    trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+    assert trainable and {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    metrics = trainer.step(random_samples(4, 200, seed=1))
+    assert metrics.loss == metrics.loss and not metrics.skipped  # finite, applied
+    assert any(not torch.equal(before[n], p) for n, p in trainable.items())
+    moments = [s["exp_avg"] for s in trainer.optimizer.state.values()]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+
+
 def test_cast_keeps_tied_tensors_shared_and_leaves_integers_alone() -> None:
     emb = torch.tensor([[1.0, 2.0 + 2**-10]])
     out = cast_state_dict({"embed": emb, "head": emb, "steps": torch.tensor([3]), "other": emb.clone()},
