@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_learner_memory import demo_learner_config, demo_like_step
-from bench_learner_step import with_zero_groups
+from bench_learner_step import alternate, timed_step, with_zero_groups
 from machine import as_command, cpu_facts, describe_cpu, write_report
 
 RESULTS = Path(__file__).parent / "results"
@@ -62,21 +60,12 @@ def main() -> int:
     facts["allocator"] = active_allocator()
     print(f"machine: {describe_cpu(facts)}, allocator {facts['allocator']}", flush=True)
     vocab = vocab_size(trainers["float32"].model)
-    rows: list[dict[str, Any]] = []
-    for step in range(args.steps):
-        samples = with_zero_groups(demo_like_step(vocab, step, args.samples), args.zero_fraction, step)
-        row: dict[str, Any] = {"step": step}
-        for dtype, trainer in trainers.items():
-            t0 = time.perf_counter()
-            m = trainer.step(samples, base.lr)
-            row[dtype] = {"seconds": round(time.perf_counter() - t0, 2), "input_tokens": m.input_tokens,
-                          "loss": m.loss}
-        row["ratio"] = round(row["float32"]["seconds"] / row["bfloat16"]["seconds"], 2)
-        rows.append(row)
-        print(f"step {step}: float32 {row['float32']['seconds']:.1f} s, base in bfloat16 "
-              f"{row['bfloat16']['seconds']:.1f} s ({row['float32']['input_tokens']} tokens): "
-              f"{row['ratio']:.2f}x", flush=True)
-    ratio = statistics.median(r["ratio"] for r in rows)
+    sets = (with_zero_groups(demo_like_step(vocab, step, args.samples), args.zero_fraction, step)
+            for step in range(args.steps))
+    rows, ratio = alternate(
+        {d: functools.partial(timed_step, t.step, lr=base.lr) for d, t in trainers.items()}, sets,
+        lambda row: (f"float32 {row['float32']['seconds']:.1f} s, base in bfloat16 "
+                     f"{row['bfloat16']['seconds']:.1f} s ({row['float32']['input_tokens']} tokens)"))
     print(f"learner step, demo shape, LoRA: base weights in bfloat16 {ratio:.2f}x the float32 step "
           f"(median of {len(rows)})")
     write_report(args.out, {"benchmark": "learner_dtype", "machine": facts, "args": vars(args), "steps": rows,

@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,31 @@ def with_zero_groups(samples: list[dict[str, Any]], fraction: float, seed: int) 
     return samples
 
 
+def timed_step(step: Callable[[list[dict[str, Any]], float], Any], samples: list[dict[str, Any]],
+               lr: float) -> dict[str, Any]:
+    """One learner step (``trainer.step``) on ``samples``: its seconds and what it ran."""
+    t0 = time.perf_counter()
+    m = step(samples, lr)
+    return {"seconds": round(time.perf_counter() - t0, 2), "input_tokens": m.input_tokens,
+            "skipped_samples": m.zero_advantage_skipped, "loss": m.loss}
+
+
+def alternate(variants: Mapping[str, Callable[[list[dict[str, Any]]], dict[str, Any]]],
+              sample_sets: Iterable[list[dict[str, Any]]],
+              describe: Callable[[dict[str, Any]], str]) -> tuple[list[dict[str, Any]], float]:
+    """Each sample set stepped by every variant (:func:`timed_step` results), one after the other: the
+    same machine load and shapes for all. Rows carry the first variant's seconds over the second's;
+    returns them and the median ratio, printing ``describe(row)`` per set."""
+    first, second = list(variants)[:2]
+    rows = []
+    for step, samples in enumerate(sample_sets):
+        row: dict[str, Any] = {"step": step, **{name: run(samples) for name, run in variants.items()}}
+        row["ratio"] = round(row[first]["seconds"] / row[second]["seconds"], 2)
+        rows.append(row)
+        print(f"step {step}: {describe(row)}: {row['ratio']:.2f}x", flush=True)
+    return rows, statistics.median(r["ratio"] for r in rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="sample sets, each stepped with and without skipping")
@@ -63,23 +89,20 @@ def main() -> int:
     trainer = make_trainer(cfg)
     vocab = vocab_size(trainer.model)
     base = trainer.plan.cfg
-    rows = []
-    for step in range(args.steps):
-        samples = with_zero_groups(demo_like_step(vocab, step, args.samples), args.zero_fraction, step)
-        row: dict[str, Any] = {"step": step}
-        for name, skip in (("all", False), ("skip", True)):
+    def planned(skip: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        def run(samples: list[dict[str, Any]]) -> dict[str, Any]:
             trainer.plan = plan_step(trainer.model, dataclasses.replace(base, skip_zero_advantage=skip),
                                      ref_model=trainer.ref_model)
-            t0 = time.perf_counter()
-            m = trainer.step(samples, cfg.lr)
-            row[name] = {"seconds": round(time.perf_counter() - t0, 2), "input_tokens": m.input_tokens,
-                         "skipped_samples": m.zero_advantage_skipped}
-        row["ratio"] = round(row["all"]["seconds"] / row["skip"]["seconds"], 2)
-        rows.append(row)
-        print(f"step {step}: all samples {row['all']['seconds']:.1f} s ({row['all']['input_tokens']} tokens), "
-              f"zero-advantage skipped {row['skip']['seconds']:.1f} s ({row['skip']['input_tokens']} tokens, "
-              f"{row['skip']['skipped_samples']} samples not run): {row['ratio']:.2f}x", flush=True)
-    ratio = statistics.median(r["ratio"] for r in rows)
+            return timed_step(trainer.step, samples, cfg.lr)
+        return run
+
+    sets = (with_zero_groups(demo_like_step(vocab, step, args.samples), args.zero_fraction, step)
+            for step in range(args.steps))
+    rows, ratio = alternate(
+        {"all": planned(False), "skip": planned(True)}, sets,
+        lambda row: (f"all samples {row['all']['seconds']:.1f} s ({row['all']['input_tokens']} tokens), "
+                     f"zero-advantage skipped {row['skip']['seconds']:.1f} s ({row['skip']['input_tokens']} "
+                     f"tokens, {row['skip']['skipped_samples']} samples not run)"))
     print(f"learner step, demo shape, {args.zero_fraction:.0%} of groups at advantage 0: "
           f"skipping them is {ratio:.2f}x faster (median of {len(rows)})")
     RESULTS.mkdir(exist_ok=True)
