@@ -193,9 +193,10 @@ class PipelineConfig:
     def learner_dtype(self) -> list[str]:
         """The learner's ``--dtype``: bfloat16 where the worker serves bfloat16 and the learner trains a
         LoRA adapter, else the checkpoint's (float32). The frozen base weights then multiply on the CPU's
-        bf16 units (a demo step's learner time ~1.6x shorter) while the adapter and its optimizer state
-        stay float32 (PEFT keeps a bf16 model's adapters in float32); served and trained policy round
-        alike. Full-weight training stays float32: AdamW on bf16 weights loses small updates."""
+        bf16 units (a learner step ~1.3x shorter, ``benchmarks/bench_learner_dtype.py``) while the adapter
+        and its optimizer state stay float32 (PEFT keeps a bf16 model's adapters in float32). Its log-probs
+        agree with the bf16 worker's about as well as a float32 learner's do (docs/learner.md, Defaults).
+        Full-weight training stays float32: AdamW on bf16 weights loses small updates."""
         if self.lora and resolve_dtype(self.serve_dtype) == "bfloat16":
             return ["--dtype", "bfloat16"]
         return []
