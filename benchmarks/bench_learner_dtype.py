@@ -9,7 +9,7 @@ ways (the pipeline's own ``learner_config()``), then steps each on the same demo
 sample sets, alternating (same machine load, same shapes), and prints the time ratio
 with the CPU's flags, torch's threads and the allocator. It re-runs itself with the allocator a
 run's learner gets (tcmalloc preloaded where installed, else glibc with the learner's mmap pin:
-the pin alone makes these steps ~1.5x slower). Without native bf16 (no ``avx512_bf16`` /
+the pin alone made these steps 1.5-2x slower). Without native bf16 (no ``avx512_bf16`` /
 ``amx_bf16``) torch emulates it and a run keeps float32. The two updates are not equal
 (bf16 rounds the base's products); what they cost in learning is the demo's seeds table
 with ``--serve-dtype auto``, and their log-prob agreement with the worker is

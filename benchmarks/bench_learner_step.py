@@ -89,6 +89,7 @@ def main() -> int:
     trainer = make_trainer(cfg)
     vocab = vocab_size(trainer.model)
     base = trainer.plan.cfg
+
     def planned(skip: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
         def run(samples: list[dict[str, Any]]) -> dict[str, Any]:
             trainer.plan = plan_step(trainer.model, dataclasses.replace(base, skip_zero_advantage=skip),
