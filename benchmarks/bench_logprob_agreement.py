@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "logprob_agreement.json"))
     args = p.parse_args(argv)
     clip = StepConfig()
-    learners = {"float32": load_model(args.model, dtype="float32")[0]}
-    tokenizer = load_model(args.model)[1]
+    learner, tokenizer = load_model(args.model, dtype="float32")
+    learners = {"float32": learner}
     questions = [t["question"] for t in train_test()[0][:args.tasks]]
     prompts = [render_prompt(tokenizer, [{"role": "system", "content": SYSTEM}, *EXAMPLE,
                                          {"role": "user", "content": q}], None) for q in questions]
