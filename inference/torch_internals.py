@@ -25,12 +25,14 @@ The contract (torch, as of the versions in :data:`CHECKED_WITH`; x86 builds with
 
 :func:`check_api` checks all of it on real tensors; ``tests/unit/inference/test_torch_internals.py``
 calls it and fails, naming the version, when the installed torch is not one in :data:`CHECKED_WITH`.
-Where an operator is missing (another build, another CPU architecture), :func:`packing_for`
-says None and the step multiplies with ``F.linear``.
+Where an operator is missing (another build, another CPU architecture), or oneDNN cannot lay
+bfloat16 weights out on this CPU (it needs avx512bw/vl/dq or avx_ne_convert; an AVX2-only CPU
+has neither), :func:`packing_for` says None and the step multiplies with ``F.linear``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # distribution -> versions this module's contract was checked against (read by the test).
@@ -51,11 +53,24 @@ def packing_for(dtype: Any) -> str | None:
             return "mkl"
         if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and onednn_packs_bfloat16():
             return "onednn"
     except (AttributeError, RuntimeError):
         pass
     return None
+
+
+@functools.cache
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN lays bfloat16 weights out on this CPU: it refuses on one without avx512bw/vl/dq or
+    avx_ne_convert (an AVX2-only CPU), which only trying tells."""
+    import torch
+
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), ONEDNN_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: Any, packing: str, rows: int = 0) -> Any:
@@ -90,13 +105,21 @@ def _broken(what: str) -> RuntimeError:
                         f"with {', '.join(CHECKED_WITH['torch'])}")
 
 
-def check_api(rows: int = 16) -> None:
-    """Raise RuntimeError, naming the installed torch, unless the operators behave as the contract says."""
+def check_api(rows: int = 16) -> tuple[str, ...]:
+    """Raise RuntimeError, naming the installed torch, unless the operators behave as the contract says.
+
+    Returns the packings checked: "onednn" only where this CPU packs bfloat16 weights at all (elsewhere
+    :func:`packing_for` never picks it, so nothing relies on it).
+    """
     import torch
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(0)
+    checked = []
     for dtype, packing, tol in ((torch.float32, "mkl", 1e-4), (torch.bfloat16, "onednn", 2e-2)):
+        if packing == "onednn" and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+                and not onednn_packs_bfloat16():
+            continue
         if packing_for(dtype) != packing:
             raise _broken(f"the operators that pack {dtype} weights ({packing}) are missing")
         weight = torch.randn(96, 64, generator=gen).to(dtype)
@@ -111,3 +134,5 @@ def check_api(rows: int = 16) -> None:
             err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
             if not err <= tol:
                 raise _broken(f"{packing}, {n} rows: the product differs from F.linear by {err:.2e} (relative)")
+        checked.append(packing)
+    return tuple(checked)

@@ -108,6 +108,8 @@ def test_bfloat16_steps_multiply_on_onednn_packed_weights_and_match_the_forward(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from boltstream.inference import torch_internals
 
+    if not torch_internals.onednn_packs_bfloat16():
+        pytest.skip("oneDNN packs no bfloat16 weights on this CPU (it needs avx512bw/vl/dq or avx_ne_convert)")
     model = tiny_model_and_tokenizer(0)[0].to(torch.bfloat16)
     rows: list[int] = []
     real = torch_internals.onednn_linear
@@ -119,6 +121,19 @@ def test_bfloat16_steps_multiply_on_onednn_packed_weights_and_match_the_forward(
     monkeypatch.setattr(torch_internals, "onednn_linear", counting)
     assert llama_step.probe(model) is None  # the step's logits within bf16 rounding of the model's forward
     assert set(rows) == {2}, "the 2-row step did not multiply on packed weights (nor pad: bf16 needs none)"
+
+
+def test_bfloat16_steps_multiply_with_f_linear_where_the_cpu_cannot_pack_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from boltstream.inference import torch_internals
+
+    def refused(*_: Any) -> Any:
+        raise AssertionError("a packed product on a CPU that cannot pack bfloat16 weights")
+
+    monkeypatch.setattr(torch_internals, "onednn_packs_bfloat16", lambda: False)
+    monkeypatch.setattr(torch_internals, "pack", refused)
+    model = tiny_model_and_tokenizer(0)[0].to(torch.bfloat16)
+    assert llama_step.probe(model) is None  # the step runs, within bf16 rounding of the model's forward
 
 
 def test_the_probe_accepts_llama_and_refuses_what_it_cannot_reproduce() -> None:
