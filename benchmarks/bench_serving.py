@@ -7,7 +7,8 @@ Part 1, the engine (in this process, the worker's own decoding code): for each
 batch size, a prefill of that many ``--prompt-tokens`` prompts (prefill
 tokens/s) and ``--decode-steps`` decode steps (generated tokens/s), with the
 plain-torch decode step over a KV buffer (inference/llama_step.py), the same
-step multiplying by the weights themselves instead of their packed copies, and
+step multiplying by the weights themselves instead of their packed copies, in
+float32 the step on the packing this CPU does not pick (MKL's or oneDNN's), and
 the model's own forward, alternating. Printed next to them, from
 the same run (benchmarks/machine.py): the memory bound of a decode step
 (the weights' bytes in the serving dtype over a large copy's GB/s, and over a
@@ -108,13 +109,20 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
           f">= {weight_bytes / machine['read_gb_s'] / 1e6:.1f} ms (read rate)", flush=True)
     import torch
 
-    from boltstream.inference import llama_step
+    from boltstream.inference import llama_step, torch_internals
 
     with torch.inference_mode():
         if problem := llama_step.probe(model):
             raise SystemExit(f"the plain-torch step does not reproduce {args.model}: {problem}")
         steps = {"step": llama_step.LlamaStep(model), "unpacked": llama_step.LlamaStep(model, packing=False),
                  "forward": None}
+        packing = steps["step"].packing
+        # float32 has two packings; the one this CPU does not pick runs beside it (the choice, measured)
+        other = {"mkl": "onednn", "onednn": "mkl"}.get(packing or "") if dtype_name == "float32" else None
+        if other and (other == "mkl" or torch_internals.onednn_packs("float32")):
+            steps["other packing"] = llama_step.LlamaStep(model, packing=other)
+    print(f"products on {f'{packing}-packed' if packing else 'unpacked'} weights; beside them: "
+          f"{', '.join(m if m != 'other packing' else f'{other}-packed' for m in steps if m != 'step')}", flush=True)
     for step in steps.values():  # warm-up: first-call allocations, packing
         _engine_once(model, 2, 32, 2, step)
     out = []
@@ -133,12 +141,18 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
                              / (machine["matmul_gflop_s"] * 1e9))
         row["step_speedup"] = row["forward"]["step_ms"] / row["step"]["step_ms"]
         row["packing_speedup"] = row["unpacked"]["step_ms"] / row["step"]["step_ms"]
+        row["packing"] = packing
+        versus = ""
+        if "other packing" in row:
+            row["other_packing"] = other
+            row["other_packing_ratio"] = row["other packing"]["step_ms"] / row["step"]["step_ms"]
+            versus = f"; {other}-packed {row['other packing']['step_ms']:.1f} ms/step -> {row['other_packing_ratio']:.2f}x"
         s, f = row["step"], row["forward"]
         print(f"batch {batch:2d}: decode {s['decode_tokens_per_s']:6.1f} tok/s ({s['step_ms']:.1f} ms/step; "
               f"{s['memory_bound_copy']:.0%} of the copy-rate bound, {s['memory_bound_read']:.0%} of the read-rate "
               f"bound) vs own forward {f['decode_tokens_per_s']:6.1f} tok/s ({f['step_ms']:.1f} ms/step, "
               f"{f['memory_bound_copy']:.0%}) -> {row['step_speedup']:.2f}x; unpacked weights "
-              f"{row['unpacked']['step_ms']:.1f} ms/step -> packing {row['packing_speedup']:.2f}x; prefill "
+              f"{row['unpacked']['step_ms']:.1f} ms/step -> packing {row['packing_speedup']:.2f}x{versus}; prefill "
               f"{s['prefill_tokens_per_s']:.0f} tok/s ({s['prefill_compute_bound']:.0%} of the matmul bound)",
               flush=True)
         out.append(row)

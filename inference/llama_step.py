@@ -16,10 +16,10 @@ the attention call with its mask 16 ms. Here:
   whose "query positions" are the query heads sharing a key/value head (no
   ``repeat_kv`` copy);
 * every product reads a copy of its weight packed once per model object
-  (:mod:`.torch_internals`): in bfloat16 oneDNN's layout, for any row count; in
-  float32 MKL's, for exactly 16 or 32 rows (:data:`PACK_ROWS`), so a step of
-  :data:`PACK_MIN_ROWS` rows or more runs as the next of them (the rows added are
-  dropped, and attend to nothing).
+  (:mod:`.torch_internals`): in oneDNN's layout, for any row count (bfloat16; float32
+  off Intel CPUs); in float32 on an Intel CPU MKL's, for exactly 16 or 32 rows
+  (:data:`PACK_ROWS`), so a step of :data:`PACK_MIN_ROWS` rows or more runs as the next
+  of them (the rows added are dropped, and attend to nothing).
 
 What it relies on (checked by :func:`probe`, which runs a step against the
 model's own forward and refuses on any difference): a ``LlamaForCausalLM``-like
@@ -159,7 +159,7 @@ def _rotate_half(x: Any) -> Any:
 
 class _Product:
     """``x @ weight.T`` (plus ``residual``) on a packed copy of the weight (:mod:`.torch_internals`):
-    "onednn" (bfloat16) for any row count; "mkl" (float32) for the row counts of :data:`PACK_ROWS`,
+    "onednn" for any row count; "mkl" (float32) for the row counts of :data:`PACK_ROWS`,
     each packed on its first use (memory only for the counts a worker meets), ``F.linear`` /
     ``addmm`` on the weight itself for other counts or without packing."""
 
@@ -197,8 +197,9 @@ class _Product:
 class LlamaStep:
     """The step for one model object: its modules and fused weights (built once, kept while it lives)."""
 
-    def __init__(self, model: Any, packing: bool = True) -> None:
-        """``packing`` False: products on the weights themselves (benchmarks compare)."""
+    def __init__(self, model: Any, packing: bool | str = True) -> None:
+        """``packing``: True, this CPU's packing for the model's dtype (:func:`.torch_internals.packing_for`);
+        "mkl" or "onednn", that one; False, products on the weights themselves (benchmarks compare)."""
         import torch
 
         inner = model.model
@@ -217,7 +218,8 @@ class LlamaStep:
         kv_out = self.kv_heads * self.head_dim
         self.splits = (q_out, kv_out, kv_out)
         self.intermediate = int(self.layers[0].mlp.gate_proj.weight.shape[0])
-        kind = torch_internals.packing_for(model.lm_head.weight.dtype) if packing else None
+        kind = torch_internals.packing_for(model.lm_head.weight.dtype) if packing is True else packing or None
+        self.packing = kind
         self.pack_rows = PACK_ROWS if kind == "mkl" else ()
         self.min_rows = PACK_MIN_ROWS
         with torch.no_grad():
@@ -446,7 +448,8 @@ def step_for(model: Any) -> LlamaStep | None:
         return _steps[model]
     step, problem = _probed(model)  # the checked step serves: its weights are fused and packed once
     if problem is None:
-        log.info("decode steps run as plain torch over a preallocated KV buffer (%s)", type(model).__name__)
+        log.info("decode steps run as plain torch over a preallocated KV buffer (%s; products on %s)",
+                 type(model).__name__, f"{step.packing}-packed weights" if step.packing else "the weights")
     else:
         log.info("decode steps run through the model's own forward: %s", problem)
     _steps[model] = step

@@ -298,6 +298,21 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return False
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's ``vendor_id`` ("GenuineIntel", "AuthenticAMD"; "" where unknown): which vendor's
+    library multiplies fastest differs (:func:`boltstream.inference.torch_internals.float32_packing`).
+    ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
 def cpu_facts(with_torch: bool = True) -> dict[str, Any]:
     """The CPU's model name, the flags that decide which kernels run (native bf16, AVX-512, AMX) and
     (``with_torch``) this process's torch thread settings: what a timing or a learning result must be

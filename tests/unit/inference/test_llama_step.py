@@ -63,20 +63,26 @@ def test_steps_equal_the_models_forward_across_leaves_joins_and_growth(monkeypat
         torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
 
 
-def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_the_forward(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """20 rows (padded to 32, products on weights packed for 32), then 6 (padded to 16), then 3 (below the
-    padding threshold: unpacked), each step's logits as the model's own forward gives them."""
+@pytest.mark.parametrize(("packing", "multiplied"), [
+    ("mkl", [32, 16]),  # 20 rows padded to 32, 6 to 16, 3 below the padding threshold: unpacked
+    ("onednn", [20, 6, 3]),  # any row count from one layout, no padding
+])
+def test_float32_steps_multiply_on_packed_weights_and_equal_the_forward(
+        monkeypatch: pytest.MonkeyPatch, packing: str, multiplied: list[int]) -> None:
+    """20 rows, then 6, then 3, on the float32 packing the CPU would pick (forced to each in turn), each
+    step's logits as the model's own forward gives them."""
     from boltstream.inference import torch_internals
 
     model, _ = tiny_model_and_tokenizer(0)
     assert next(model.parameters()).dtype == torch.float32
+    monkeypatch.setattr(torch_internals, "float32_packing", lambda cpuinfo=None: packing)
     packed_rows: list[int] = []
-    real = torch_internals.mkl_linear
+    name = "mkl_linear" if packing == "mkl" else "onednn_linear"
+    real = getattr(torch_internals, name)
 
-    def counting(x: Any, packed: Any, weight: Any, rows: int) -> Any:
+    def counting(x: Any, *args: Any) -> Any:
         packed_rows.append(int(x.shape[0]))
-        return real(x, packed, weight, rows)
+        return real(x, *args)
 
     prompts = [[5 + i] * (3 + i % 7) for i in range(20)]
     out = {}
@@ -84,8 +90,9 @@ def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_
         llama_step._steps.pop(model, None)
         if fast:
             assert llama_step.step_for(model) is not None  # probed before counting
+            assert llama_step.step_for(model).packing == packing
         with monkeypatch.context() as m:
-            m.setattr(torch_internals, "mkl_linear", counting)
+            m.setattr(torch_internals, name, counting)
             if not fast:
                 m.setattr(llama_step, "step_for", lambda model: None)
             logits = []
@@ -99,7 +106,7 @@ def test_float32_steps_of_4_rows_or_more_run_padded_on_packed_weights_and_equal_
                     logits.append(state.logits.clone())
             out[fast] = logits
     per_step = 4 * model.config.num_hidden_layers + 1  # 4 products a layer, and the head
-    assert packed_rows == [32] * per_step + [16] * per_step, "the 20- and 6-row steps were not padded and packed"
+    assert packed_rows == [n for n in multiplied for _ in range(per_step)], sorted(set(packed_rows))
     for f, p in zip(out[True], out[False], strict=True):
         torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
 
@@ -108,7 +115,7 @@ def test_bfloat16_steps_multiply_on_onednn_packed_weights_and_match_the_forward(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from boltstream.inference import torch_internals
 
-    if not torch_internals.onednn_packs_bfloat16():
+    if not torch_internals.onednn_packs("bfloat16"):
         pytest.skip("oneDNN packs no bfloat16 weights on this CPU (it needs avx512bw/vl/dq or avx_ne_convert)")
     model = tiny_model_and_tokenizer(0)[0].to(torch.bfloat16)
     rows: list[int] = []
@@ -130,7 +137,7 @@ def test_bfloat16_steps_multiply_with_f_linear_where_the_cpu_cannot_pack_them(
     def refused(*_: Any) -> Any:
         raise AssertionError("a packed product on a CPU that cannot pack bfloat16 weights")
 
-    monkeypatch.setattr(torch_internals, "onednn_packs_bfloat16", lambda: False)
+    monkeypatch.setattr(torch_internals, "onednn_packs", lambda dtype: dtype != "bfloat16")
     monkeypatch.setattr(torch_internals, "pack", refused)
     model = tiny_model_and_tokenizer(0)[0].to(torch.bfloat16)
     assert llama_step.probe(model) is None  # the step runs, within bf16 rounding of the model's forward
