@@ -63,7 +63,7 @@ def float32_packing(cpuinfo: str | None = None) -> str:
     """The faster float32 packing of the two on this CPU, by its vendor: MKL's on an Intel one, oneDNN's
     elsewhere. Measured (docs/results.md), SmolLM2-135M decode steps of 1-32 rows: on a Xeon MKL's packed
     products were as fast as oneDNN's at 8-16 rows and 1.2x faster at 32; on an AMD EPYC (AVX2)
-    oneDNN's made whole steps 1.4-1.9x faster than MKL's. ``cpuinfo`` is ``/proc/cpuinfo``'s text."""
+    oneDNN's made whole steps 1.4-2.2x faster than MKL's. ``cpuinfo`` is ``/proc/cpuinfo``'s text."""
     from boltstream.weights.models import cpu_vendor
 
     return "mkl" if cpu_vendor(cpuinfo) == "GenuineIntel" else "onednn"
