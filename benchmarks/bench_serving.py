@@ -119,7 +119,7 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
         packing = steps["step"].packing
         # float32 has two packings; the one this CPU does not pick runs beside it (the choice, measured)
         other = {"mkl": "onednn", "onednn": "mkl"}.get(packing or "") if dtype_name == "float32" else None
-        if other and (other == "mkl" or torch_internals.onednn_packs("float32")):
+        if other and torch_internals.can_pack(other, "float32"):
             steps["other packing"] = llama_step.LlamaStep(model, packing=other)
     print(f"products on {f'{packing}-packed' if packing else 'unpacked'} weights; beside them: "
           f"{', '.join(m if m != 'other packing' else f'{other}-packed' for m in steps if m != 'step')}", flush=True)

@@ -51,10 +51,10 @@ def packing_for(dtype: Any) -> str | None:
     import torch
 
     if dtype == torch.float32:
-        able = [kind for kind in ("mkl", "onednn") if _operators(kind) and (kind == "mkl" or onednn_packs("float32"))]
+        able = [kind for kind in ("mkl", "onednn") if can_pack(kind, "float32")]
         preferred = float32_packing()
         return preferred if preferred in able else next(iter(able), None)
-    if dtype == torch.bfloat16 and _operators("onednn") and onednn_packs("bfloat16"):
+    if dtype == torch.bfloat16 and can_pack("onednn", "bfloat16"):
         return "onednn"
     return None
 
@@ -67,6 +67,14 @@ def float32_packing(cpuinfo: str | None = None) -> str:
     from boltstream.weights.models import cpu_vendor
 
     return "mkl" if cpu_vendor(cpuinfo) == "GenuineIntel" else "onednn"
+
+
+def can_pack(kind: str, dtype: str) -> bool:
+    """Whether packing ``kind`` ("mkl": float32 only; "onednn") serves ``dtype`` here: its operators exist
+    and, for oneDNN, this CPU lets it lay ``dtype`` out."""
+    if kind == "mkl":
+        return dtype == "float32" and _operators("mkl")
+    return _operators("onednn") and onednn_packs(dtype)
 
 
 def _operators(kind: str) -> bool:
