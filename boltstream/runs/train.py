@@ -244,7 +244,7 @@ def _train(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port
     if display is not None:
         display.phase(f"training: {cfg.steps} learner steps")
     agents = ("agent",) if cfg.agent_program else ("tasks", "runner")
-    summary["hints"] = {}  # what stuck_hint said, and at which step it first did
+    summary["hints"] = {}  # what stuck_hint said (each kind of hint once), and at which step it first did
     summary["stopped_by_time_budget"] = not _wait_for_learners(cfg, procs, metrics, port, deadline, display,
                                                                group_size, summary["hints"])
     if summary["stopped_by_time_budget"]:
@@ -283,9 +283,10 @@ def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, A
 
 def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port: int,
                        deadline: float, display: Any, group_size: int, hint_steps: dict[str, int]) -> bool:
-    """Wait (updating ``display``, and saying each hint of :func:`~boltstream.learner.hints.stuck_hint` once,
-    kept in ``hint_steps`` with the step it appeared at) until every learner logged ``cfg.steps`` steps or
-    ``deadline`` passes; whether they all did."""
+    """Wait (updating ``display``, and saying each kind of :func:`~boltstream.learner.hints.stuck_hint` once
+    a learner, kept in ``hint_steps`` with the step it appeared at) until every learner logged ``cfg.steps``
+    steps or ``deadline`` passes; whether they all did."""
+    said: set[tuple[str, str]] = set()
 
     def learner_done() -> bool:
         rows = {name: _steps(path) for name, path in metrics.items()}
@@ -294,9 +295,10 @@ def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str,
                            worker_port=port, group_size=group_size)
         for name, steps in rows.items():
             hint = hints.stuck_hint(steps)
-            if hint is not None and hint not in hint_steps:
-                hint_steps[hint] = steps[-1]["step"]
-                text = f"{name}: {hint}" if len(rows) > 1 else hint
+            if hint is not None and (name, hint.kind) not in said:
+                said.add((name, hint.kind))
+                text = f"{name}: {hint.text}" if len(rows) > 1 else hint.text
+                hint_steps[text] = steps[-1]["step"]
                 log.warning("not learning? %s", text)
                 if display is not None:
                     display.hint(text)
