@@ -237,6 +237,7 @@ def main(argv: list[str]) -> int:
             # uvicorn re-raises a caught SIGTERM/SIGINT once serve() is done, which ends the process
             # before any `finally` after it: downloaded checkpoints are removed here, while it can.
             try:
+                await app.state.reload_status.close()  # long polls of /health answer now, not at their timeout
                 await super().shutdown(sockets)
             finally:
                 remove_workdir()

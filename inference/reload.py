@@ -46,6 +46,7 @@ class ReloadStatus:
         self.caught_up = False
         # Per adapter (workers serving several): {"reloads", "reload_failures", "last_reload_error"}.
         self.by_adapter: dict[str, dict[str, Any]] = {}
+        self.closing = False  # the server is shutting down: waits end now
         self._changed: asyncio.Condition | None = None
 
     def _cond(self) -> asyncio.Condition:
@@ -70,15 +71,19 @@ class ReloadStatus:
         async with self._cond():
             self._cond().notify_all()
 
+    async def close(self) -> None:
+        """End every wait now: a long poll in flight would otherwise hold the server's graceful shutdown
+        (it waits for every request) until the poll's own timeout."""
+        self.closing = True
+        await self.notify()
+
     async def wait_until(self, predicate: Any, timeout: float) -> bool:
-        """Wait until ``predicate()`` holds or ``timeout`` passes; returns whether it holds."""
+        """Wait until ``predicate()`` holds, ``timeout`` passes or :meth:`close`; returns whether it holds."""
         cond = self._cond()
         async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(predicate), timeout)
-            except TimeoutError:
-                return bool(predicate())
-        return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cond.wait_for(lambda: self.closing or predicate()), timeout)
+        return bool(predicate())
 
 
 class CheckpointFollower:

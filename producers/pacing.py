@@ -17,9 +17,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ class PolicyPacer:
 
     async def _version(self, min_version: int | None, stop: asyncio.Event) -> int | None:
         try:
-            return await asyncio.to_thread(self._get, min_version)
+            return await in_daemon_thread(self._get, min_version)
         except Exception as exc:  # worker restarting or not up yet: keep the last version, retry
             log.warning("policy pacing: %s unreachable (%s); retrying in %.0fs", self.url, exc, RETRY_S)
             with contextlib.suppress(TimeoutError):
@@ -85,3 +89,32 @@ class PolicyPacer:
                     self._full.clear()
                     self._on_change()
                     break
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread of its own that nothing waits for.
+
+    Why: a long poll in flight when the runner stops would hold ``asyncio.run``'s exit (it joins the
+    default executor's threads) for up to ``LONG_POLL_S``; cancelling the await leaves this thread to
+    finish alone, and a daemon thread does not hold the interpreter's exit either.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting task, raised there
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name="boltstream-policy-long-poll", daemon=True).start()
+    return await done

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +126,11 @@ def test_checkpoint_reload_and_corrupt_checkpoint_refused(settings, start_worker
         assert _ask(http)["choices"][0]["token_ids"] == v2["choices"][0]["token_ids"]
 
 
-def test_sigterm_removes_the_downloaded_checkpoints(settings_env: dict[str, str], tmp_path: Path) -> None:
-    """uvicorn re-raises SIGTERM after its shutdown; the worker's scratch folder must be gone by then."""
+def test_sigterm_removes_the_downloaded_checkpoints_and_answers_long_polls(settings_env: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """uvicorn re-raises SIGTERM after its shutdown; the worker's scratch folder must be gone by then. A
+    ``/health`` long poll in flight (a runner waiting for the next policy) is answered at once, not held
+    to its timeout: uvicorn's graceful shutdown waits for every request."""
     from boltstream.inference.launch import WorkerProcess
 
     scratch = tmp_path / "tmp"
@@ -135,8 +140,17 @@ def test_sigterm_removes_the_downloaded_checkpoints(settings_env: dict[str, str]
     try:
         worker.start(120)
         assert len(list(scratch.glob("boltstream-serve-*"))) == 1
+        host, port = httpx.URL(worker.url).host, httpx.URL(worker.url).port
+        with socket.create_connection((host, port), timeout=60) as poll:
+            poll.sendall(f"GET /health?min_version=99&timeout=120 HTTP/1.1\r\nHost: {host}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            with httpx.Client(base_url=worker.url, timeout=60) as http:  # answered after the poll was read
+                assert http.get("/health").json()["condition_met"] is True
+            assert worker.stop(timeout=20) != -signal.SIGKILL
+            answer = b"".join(iter(lambda: poll.recv(65536), b""))
     finally:
         worker.stop(timeout=20)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"condition_met":false' in answer, answer
     assert list(scratch.glob("boltstream-serve-*")) == []
 
 
