@@ -176,17 +176,18 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
             argv = cfg.argv(port=port, base_url=base_url, metrics_path=metrics_path)
             # For `boltstream status --run OUT`: the addresses this run's components answer on.
             (out / ENDPOINTS_FILE).write_text(json.dumps({"workers": [f"http://127.0.0.1:{port}"]}) + "\n")
-            procs.start("worker", *argv["worker"])
-            phase(f"starting the inference worker ({cfg.model})")
-            wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
-
-            # The pipeline starts now, its learners held: the agents' first rollouts (on the base policy too)
-            # and the components' start-up share the CPU with this evaluation instead of following it, and
-            # no learner takes a step (so no checkpoint reaches the worker) before it is over.
+            # The stream app and the learners start beside the worker, held: their start-up shares the CPU
+            # with the worker's and with the evaluation instead of following them, and no learner takes a
+            # step (so no checkpoint reaches the worker) before the base policy is scored. The agents start
+            # once the worker answers; their first rollouts (on the base policy too) run beside the evaluation.
             hold = out / HOLD_FILE
             hold.touch()
             try:
-                _start_pipeline(cfg, procs, argv, metrics)
+                procs.start("worker", *argv["worker"])
+                _start_learning(procs, argv, metrics)
+                phase(f"starting the inference worker ({cfg.model}), the stream app and the learners")
+                wait_until(lambda: worker_version(port) is not None, 600, "the inference worker", procs)
+                _start_agents(cfg, procs, argv)
                 log.info("evaluating the base policy on %d held-out tasks", len(test_tasks))
                 eval_started = time.monotonic()
                 summary["before"] = evaluate_held_out("before")
@@ -219,12 +220,14 @@ def run(cfg: PipelineConfig, external: bool = False, display: Any = None) -> dic
     return summary
 
 
-def _start_pipeline(cfg: PipelineConfig, procs: Processes, argv: dict[str, list[str]],
-                    metrics: dict[str, Path]) -> None:
-    """Start the stream app, the learners and the agents (the runner and the task publisher, or the agent
-    program)."""
+def _start_learning(procs: Processes, argv: dict[str, list[str]], metrics: dict[str, Path]) -> None:
+    """Start the stream app and the learners (they need the broker and S3, not the worker)."""
     for name in ("stream", *metrics):
         procs.start(name, *argv[name])
+
+
+def _start_agents(cfg: PipelineConfig, procs: Processes, argv: dict[str, list[str]]) -> None:
+    """Start the agents: the task publisher and the runner, or the agent program (they call the worker)."""
     if cfg.agent_program:  # a program the way its users run it: no runner, env vars only
         procs.start_command("agent", [sys.executable, *argv["agent"]], env=ZERO_CODE_ENV)
     else:
