@@ -97,8 +97,8 @@ XDIST := -n $(TEST_WORKERS) --dist worksteal
 # The 15 slowest tests are listed at the end: where the suite's time goes, on whatever machine ran it.
 # The two virtualenvs install side by side (-j2: half the install's time, most of it waiting on downloads
 # and unpacking).
-test:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP) system
+test: system
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 tests --ignore=tests/vllm $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_TEST_ARGS)
 
