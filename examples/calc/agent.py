@@ -21,6 +21,8 @@ from openai import OpenAI
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from .. import endpoint
+
 tracer = trace.get_tracer("examples.calc")
 
 SYSTEM = (
@@ -110,7 +112,7 @@ def solve(task: dict, ctx) -> float:
     ``ctx`` carries the inference endpoint and the rollout's headers; the agent
     itself is the plain OpenAI-SDK code above.
     """
-    client = OpenAI(base_url=ctx.base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"), default_headers=ctx.headers, max_retries=0)
+    client = endpoint.client(ctx)
     answer = run_agent(
         client,
         task["question"],

@@ -74,3 +74,56 @@ def test_the_lookup_tool_reads_the_corpus_and_its_span_says_when_it_fails(monkey
     statuses = [s.status.status_code for s in spans.get_finished_spans()]
     assert statuses == [StatusCode.UNSET, StatusCode.UNSET, StatusCode.ERROR]
     assert lookup.reward({"answer": "Copper"}, "copper") == 1.0 and lookup.reward({"answer": "tin"}, None) == 0.0
+
+
+def test_rollouts_share_one_client_pool_and_each_sends_its_own_headers() -> None:
+    """Concurrent rollouts (the runner's threads) call through one shared client; every request carries
+    the headers of the rollout that made it, never another's."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from boltstream.examples import endpoint
+    from boltstream.examples.calc import agent as calc
+
+    seen: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                seen.append((self.headers["X-Boltstream-Rollout-Id"], body["messages"][-1]["content"]))
+            out = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "policy",
+                              "choices": [{"index": 0, "finish_reason": "stop",
+                                           "message": {"role": "assistant", "content": "ok"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        def rollout(i: int) -> str:
+            ctx = SimpleNamespace(base_url=base_url, headers={"X-Boltstream-Rollout-Id": f"r{i}"})
+            client = endpoint.client(ctx)
+            assert client._client is endpoint.client(ctx)._client  # one httpx pool for every rollout
+            return endpoint.reply(client, [{"role": "user", "content": f"r{i}"}], "policy", 1.0, 4)
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(rollout, range(32))) == ["ok"] * 32
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sorted(seen) == sorted((f"r{i}", f"r{i}") for i in range(32))
+    assert calc.endpoint is endpoint  # the calculator agent's rollouts share it too
