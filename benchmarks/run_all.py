@@ -18,7 +18,7 @@ BENCHMARKS = ("bench_exporter.py", "bench_stream.py", "bench_replay.py", "bench_
               "bench_propagation.py", "bench_baselines.py", "bench_export.py", "bench_vs_bare.py",
               "bench_learner_memory.py", "bench_learner_step.py", "bench_learner_dtype.py", "bench_prefix_sharing.py", "bench_prefix_cache.py",
               "bench_prefix_tree.py", "bench_allocators.py", "bench_threads.py", "bench_logprob_agreement.py",
-              "bench_agent_step.py")
+              "bench_agent_step.py", "bench_agent_clients.py")
 
 
 def main() -> int:
