@@ -286,8 +286,8 @@ def _settings_summary(cfg: PipelineConfig, roles: dict[str, str]) -> dict[str, A
 
 def _wait_for_learners(cfg: PipelineConfig, procs: Processes, metrics: dict[str, Path], port: int,
                        deadline: float, display: Any, group_size: int, hint_steps: dict[str, int]) -> bool:
-    """Wait (updating ``display``, and saying each kind of :func:`~boltstream.learner.hints.stuck_hint` once
-    a learner, kept in ``hint_steps`` with the step it appeared at) until every learner logged ``cfg.steps``
+    """Wait (updating ``display``, and saying each kind of :func:`~boltstream.learner.hints.stuck_hint` once per
+    learner, kept in ``hint_steps`` with the step it appeared at) until every learner logged ``cfg.steps``
     steps or ``deadline`` passes; whether they all did."""
     said: set[tuple[str, str]] = set()
 
