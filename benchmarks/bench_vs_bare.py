@@ -198,7 +198,7 @@ def pipeline(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         # explicit, so the benchmark stays fixed if the components' defaults move
         learner={"groups_per_step": args.groups_per_step, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps},
         stream={"call_credit": "episode", "std_normalize": False, "air_rules_file": CALC_AIR_RULES},
-        extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
+        train_temperature=args.temperature,
     )
     summary = run(cfg)
     keep = ("before", "after", "train_s", "learner_steps", "policy_version_served", "wall_s")

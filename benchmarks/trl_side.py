@@ -5,8 +5,8 @@ Shared with boltstream, each read from boltstream's own config so the two cannot
 (SmolLM2-135M-Instruct, float32), the LoRA adapter (rank, alpha, dropout, target modules), AdamW's
 learning rate with a warm-up over the same number of steps and then a constant rate, samples a step
 (groups a step x group size, every group one task), the PPO clip range (DAPO's asymmetric one),
-token-mean loss, no KL term, no std scaling of the advantages, the agent's temperature and token limit,
-and held-out scoring: every test task as often as the suite says, each reply scored by the agent's own
+token-mean loss, no KL term, no std scaling of the advantages, the training temperature, the agent's token
+limit, and held-out scoring at the agent's own temperature: every test task as often as the suite says, each reply scored by the agent's own
 ``reward``. Not shared: TRL generates with ``model.generate`` in its own process, boltstream with its
 inference worker.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 from boltstream.config import DEFAULT_GROUP_SIZE
 from boltstream.learner.config import DEFAULT_LR, LearnerConfig, StepConfig
-from boltstream.runs.pipeline import mean_and_se
+from boltstream.runs.pipeline import TRAIN_TEMPERATURE, mean_and_se
 from boltstream.weights.models import load_model
 
 
@@ -84,7 +84,7 @@ def train_and_score(agent: ModuleType, train_path: Path, test_path: Path, seed: 
         lr_scheduler_type="constant_with_warmup", adam_beta1=learner.adam_beta1, adam_beta2=learner.adam_beta2,
         weight_decay=learner.weight_decay, max_grad_norm=step.max_grad_norm,
         per_device_train_batch_size=learner.groups_per_step * group_size, gradient_accumulation_steps=1,
-        num_generations=group_size, temperature=agent.TEMPERATURE, top_p=1.0, top_k=0,
+        num_generations=group_size, temperature=TRAIN_TEMPERATURE, top_p=1.0, top_k=0,
         max_completion_length=agent.MAX_TOKENS, beta=0.0, epsilon=step.clip_low, epsilon_high=step.clip_high,
         loss_type="dapo", scale_rewards="none",
     )

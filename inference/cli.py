@@ -63,6 +63,10 @@ class ServeConfig:
     prefix_cache_mib: int = opt(256, "transformers backend: MiB of prompt KV kept for reuse by later requests "
                                      "(0: off; the vLLM backend uses vLLM's own prefix caching)")
     default_max_tokens: int = opt(256, "max_tokens when a request gives none")
+    rollout_temperature: float | None = opt(None, "sample every captured call (a training rollout's) at this "
+                                                  "temperature, whatever the request asks; calls that are not "
+                                                  "captured, e.g. an evaluation's, keep theirs (default: the "
+                                                  "request's)")
     policy_version: int = opt(0, "version number of the weights loaded at start")
     capture: bool = opt(True, "write LLM spans (--no-capture: no broker needed, NOT for training)")
     spool_dir: str = opt("auto", "spool mode: LLM spans go to this on-disk spool first and the worker "
@@ -104,6 +108,9 @@ class ServeConfig:
             raise ConfigError("prefix_cache_mib", self.prefix_cache_mib, "must be >= 0 (0: no prefix cache)")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens", self.default_max_tokens, "must be >= 1")
+        if self.rollout_temperature is not None and not 0.0 < self.rollout_temperature <= 2.0:
+            raise ConfigError("rollout_temperature", self.rollout_temperature, "must be in (0, 2] (a training "
+                              "rollout explores: a greedy one gives every attempt of a task the same answer)")
         if self.api_key_file is not None:
             if self.api_key:
                 raise ConfigError("api_key_file", self.api_key_file, "give the API key by env or by file, not both")
@@ -206,7 +213,8 @@ def build_app(cfg: ServeConfig, workdir: Path) -> Any:
     names = tuple(dict.fromkeys((cfg.name, cfg.model)))
     return create_app(backend, sink=sink, served_names=names, follower=follower, status=status,
                       metrics=metrics, default_max_tokens=cfg.default_max_tokens, api_key=cfg.api_key,
-                      adapters=adapters, strict_model_names=cfg.strict_model_names)
+                      adapters=adapters, strict_model_names=cfg.strict_model_names,
+                      rollout_temperature=cfg.rollout_temperature)
 
 
 def main(argv: list[str]) -> int:

@@ -100,6 +100,7 @@ def create_app(
     api_key: str | None = None,
     adapters: tuple[AdapterSpec, ...] = (),
     strict_model_names: bool = False,
+    rollout_temperature: float | None = None,
 ) -> FastAPI:
     """The worker app; starting it (lifespan) starts the backend, the span sink and the checkpoint follower.
 
@@ -107,13 +108,14 @@ def create_app(
     ``adapters``: the named LoRA adapters ``backend`` serves; each is also a model name clients may send.
     ``strict_model_names``: a request whose ``model`` is none of these names gets 404 ``model_not_found``;
     by default any other name is served as an alias of the policy (docs/inference.md, Model names).
+    ``rollout_temperature``: captured calls sample at it whatever they ask (:meth:`CompletionService.explore`).
     """
     metrics = metrics or Metrics(served_names[0])
     status = status or ReloadStatus()
     served_names = tuple(dict.fromkeys((*served_names, *(a.name for a in adapters))))
     service = CompletionService(backend, sink, metrics, served_names=served_names,
                                 default_max_tokens=default_max_tokens, adapters=adapters,
-                                strict_model_names=strict_model_names)
+                                strict_model_names=strict_model_names, rollout_temperature=rollout_temperature)
     app = FastAPI(title="boltstream inference worker", docs_url=None, redoc_url=None,
                   lifespan=_lifespan(backend, sink, metrics, adapters, follower))
     if api_key:
@@ -199,6 +201,7 @@ def _add_completion_routes(app: FastAPI, service: CompletionService, metrics: Me
             raise
         ctx = CallContext.from_request(request.headers, getattr(request.state, "rollout_ids", None),
                                        getattr(request.state, "capture", True))
+        service.explore(req, ctx)
         if req.stream:
             return StreamingResponse(service.stream(req, ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -11,6 +11,7 @@ from the trajectory the learner trains on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -48,8 +49,9 @@ class CompletionService:
 
     def __init__(self, backend: Backend, sink: SpanSink, metrics: Metrics, *, served_names: tuple[str, ...],
                  default_max_tokens: int = 256, adapters: tuple[AdapterSpec, ...] = (),
-                 strict_model_names: bool = False) -> None:
+                 strict_model_names: bool = False, rollout_temperature: float | None = None) -> None:
         self.backend = backend
+        self.rollout_temperature = rollout_temperature
         self.strict_model_names = strict_model_names
         self._aliases_seen: set[str] = set()
         self.adapters = adapters
@@ -96,6 +98,17 @@ class CompletionService:
         return P.ParsedRequest("completion", model, prompts, params, stream, include_usage,
                                P.parse_logprobs(body, "completion"), bool(body.get("return_token_ids")),
                                prompt_text=texts)
+
+    def explore(self, req: P.ParsedRequest, ctx: CallContext) -> None:
+        """A captured call samples at ``rollout_temperature`` when one is set, whatever the request asked.
+
+        A training run explores at the trainer's temperature (1.0, as TRL's and verl's rollouts do), not at
+        the one an agent uses in production: at 0.7 most of the calculator's groups scored alike and gave the
+        learner nothing. Calls that are not captured (an evaluation's) keep the request's own; the span
+        records the temperature sampled at, which the learner scores with.
+        """
+        if self.rollout_temperature is not None and ctx.capture:
+            req.params = dataclasses.replace(req.params, temperature=self.rollout_temperature)
 
     def route(self, req: P.ParsedRequest, headers: Any) -> None:
         """Pick the adapter that answers ``req`` (:func:`~boltstream.inference.adapters.select_adapter`)."""

@@ -41,9 +41,9 @@ def stuck_hint(steps: Sequence[Mapping[str, Any]]) -> Hint | None:
         alike = last.get("alike_reward_mean")
         at = f" (at {alike:.3f} on average at step {last['step']})" if alike is not None else ""
         return Hint("no_spread", f"{share:.0%} of the groups in the last {NO_SPREAD_STEPS} steps scored alike{at}, "
-                    "so their advantages are 0: raise the agent's sampling temperature (the demo's --temperature) "
-                    "or the group size (--group-size), or give partial credit (intermediate rewards, a graded "
-                    "final reward)")
+                    "so their advantages are 0: raise the training temperature (--train-temperature) or the "
+                    "group size (--group-size), or give partial credit (intermediate rewards, a graded final "
+                    "reward)")
     entropy = last.get("entropy")
     if entropy is not None and entropy < ENTROPY_FLOOR:
         return Hint("entropy", f"the policy's entropy collapsed to {entropy:.3f} nats a token at step "

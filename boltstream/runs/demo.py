@@ -29,10 +29,6 @@ DEMO_STEPS = 8
 # four `/` tasks and no `*`, and the policy learned which operation the step favoured instead of which one
 # each question needs: runs unlearned `*` or `+` while learning `-` and `/` (docs/results.md).
 DEMO_PARTITIONS = 1
-# Training rollouts sample at this temperature; the held-out evaluation at the agent's own 0.7. At 0.7 the
-# base model never writes `-` on some seeds and most groups of 4 score all alike (advantage 0: nothing to
-# learn from); at 1.0 nearly every group has a spread in the first steps (docs/results.md).
-DEMO_TRAIN_TEMPERATURE = 1.0
 # A cap, not a target: the demo ends after its steps. A busy machine can take several
 # times that; the cap only stops a run that would otherwise go on for an hour.
 DEMO_TIME_BUDGET_S = 1500.0
@@ -44,9 +40,6 @@ CALC_AIR_RULES = Path(calc_tasks.__file__).with_name("air.yaml")
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="boltstream demo", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    p.add_argument("--temperature", type=float, default=DEMO_TRAIN_TEMPERATURE,
-                   help="the calculator agent's sampling temperature in training rollouts (the learner reads it "
-                        "from each span; the held-out evaluation samples at the agent's own 0.7)")
     p.add_argument("--zero-code", action="store_true",
                    help="run the agent as a standalone program under opentelemetry-instrument (no runner, no "
                         "task ids; rewards sent back as feedback by completion id): examples/calc/standalone.py")
@@ -57,8 +50,8 @@ def main(argv: list[str]) -> int:
     for name, tasks in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     # The learner, stream and pacing settings are `boltstream train`'s defaults (docs/learner.md); the demo
-    # adds only the calculator's own files (its AIR rules), its training temperature, its steps and budget,
-    # and one partition for the task file's order.
+    # adds only the calculator's own files (its AIR rules), its steps and budget, and one partition for the
+    # task file's order.
     group_size = args.group_size or DEFAULT_GROUP_SIZE
     stream: dict[str, Any] = {"air_rules_file": CALC_AIR_RULES}
     zero_code: dict[str, Any] = {}
@@ -66,7 +59,7 @@ def main(argv: list[str]) -> int:
         stream["prompt_window_s"] = ZERO_CODE_PROMPT_WINDOW_S
         zero_code["agent_program"] = (
             "-m", "boltstream.examples.calc.standalone", "--tasks", str(data / "train.jsonl"),
-            "--base-url", "{base_url}", "--attempts", str(group_size), "--temperature", str(args.temperature),
+            "--base-url", "{base_url}", "--attempts", str(group_size),
             "--tasks-per-version", "{tasks_per_version}")
     cfg = config_from_args(
         args, Path("out/demo"), agent=CALC_AGENT, train=data / "train.jsonl",
@@ -74,7 +67,6 @@ def main(argv: list[str]) -> int:
         eval_tasks=args.eval_tasks or 32, eval_samples=args.eval_samples or 2,
         time_budget_s=args.time_budget or DEMO_TIME_BUDGET_S,
         partitions=DEMO_PARTITIONS, stream=stream,
-        extra_env=(("CALC_TEMPERATURE", str(args.temperature)),),
         **zero_code,
     )
     stop_on_sigterm()

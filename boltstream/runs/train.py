@@ -37,6 +37,7 @@ from boltstream.monitoring.tracking import Trackers, open_trackers
 from boltstream.processes import Processes, free_port, wait_until
 from boltstream.runs.pipeline import (
     HOLD_FILE,
+    TRAIN_TEMPERATURE,
     ZERO_CODE_ENV,
     ZERO_CODE_PROMPT_WINDOW_S,
     PipelineConfig,
@@ -74,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "faster, else the checkpoint's)")
     a("--group-size", type=int, default=None,
       help=f"attempts per task (GRPO group), for the runner and the stream app (default {DEFAULT_GROUP_SIZE})")
+    a("--train-temperature", type=_temperature, default=None, metavar="T|agent",
+      help=f"the temperature every training rollout's calls sample at, whatever the agent asks (default "
+           f"{TRAIN_TEMPERATURE}; 'agent': each call's own); the held-out evaluation samples at the agent's own")
     a("--eval-samples", type=int, default=None, help="attempts per held-out task")
     a("--eval-tasks", type=int, default=None, help="use only the first N held-out tasks")
     a("--tasks-per-version", type=int, default=None,
@@ -94,6 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          only=STREAM_SETTINGS)
 
 
+def _temperature(text: str) -> float | str:
+    if text.strip().lower() == "agent":
+        return "agent"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a temperature or 'agent', got {text!r}") from None
+
+
 def _items(text: str) -> tuple[str, ...]:
     return tuple(i.strip() for i in text.split(",") if i.strip())
 
@@ -109,6 +122,8 @@ def config_from_args(args: argparse.Namespace, default_out: Path, **given: Any) 
     learner = {**given.pop("learner", {}), **_given(args, LEARNER_SETTINGS)}
     stream = {**given.pop("stream", {}), **_given(args, STREAM_SETTINGS)}
     kwargs = {k: v for k, v in {**run_level, **given}.items() if v is not None}
+    if args.train_temperature is not None:
+        kwargs["train_temperature"] = None if args.train_temperature == "agent" else args.train_temperature
     return PipelineConfig(learner=learner, stream=stream, **kwargs)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from boltstream.compose_check import load_compose
 from boltstream.config import Knob, knobs, load
+from boltstream.errors import BoltstreamError
 from boltstream.inference.cli import ServeConfig
 from boltstream.inference.cli import parser as serve_parser
 from boltstream.learner.cli import parser as learner_parser
@@ -85,7 +86,34 @@ def test_train_passes_no_setting_it_was_not_given(run_cfg: PipelineConfig) -> No
     assert values(train_started(run_cfg, "learn")) == values(resolve("learn", ["--lora", "--hold-file", hold]))
     # ...but the wait for late spans: a run's rollouts log their spans before their root (RUN_GRACE_S)
     assert values(train_started(run_cfg, "stream")) == values(resolve("stream", ["--grace-s", str(RUN_GRACE_S)]))
-    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", ["--lora", "--dtype", "float32"]))
+    # ...and the worker's float32 and training temperature (docs/learner.md, Defaults)
+    assert values(train_started(run_cfg, "serve")) == values(resolve("serve", [
+        "--lora", "--dtype", "float32", "--rollout-temperature", "1.0"]))
+
+
+@pytest.mark.parametrize(("given", "worker"), [([], 1.0), (["--train-temperature", "0.8"], 0.8),
+                                               (["--train-temperature", "agent"], None)])
+def test_train_temperature_reaches_the_worker(run_cfg: PipelineConfig, given: list[str],
+                                              worker: float | None) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(given), run_cfg.out, agent=run_cfg.agent, train=run_cfg.train,
+                           test=run_cfg.test)
+    assert cfg.train_temperature == worker
+    assert resolve("serve", cfg.argv()["worker"][1:]).rollout_temperature == worker
+
+
+def test_a_train_temperature_out_of_range_is_refused(run_cfg: PipelineConfig,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad in ("0", "2.5"):
+        with pytest.raises(BoltstreamError, match=f"--train-temperature must be in \\(0, 2\\] or 'agent', got {bad}"):
+            config_from_args(p.parse_args(["--train-temperature", bad]), run_cfg.out, agent=run_cfg.agent,
+                             train=run_cfg.train, test=run_cfg.test)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--train-temperature", "warm"])
+    assert "a temperature or 'agent', got 'warm'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("serve_dtype", "lora", "learner_dtype"), [

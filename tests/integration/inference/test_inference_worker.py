@@ -22,12 +22,17 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
 def test_openai_client_answers_are_captured_with_token_ids(settings, start_worker, spans_reader) -> None:
-    worker = start_worker()
-    # evaluation traffic (header or base-URL form) is served but never written to the log
+    """Captured calls sample at the worker's --rollout-temperature whatever they ask, evaluation calls at theirs."""
+    worker = start_worker("--rollout-temperature", "1.0")
+    # evaluation traffic (header or base-URL form) is served but never written to the log, and keeps its own
+    # sampling: greedy, it answers the same twice
     for base_url, headers in ((f"{worker.url}/v1", {**HEADERS, "X-Boltstream-Capture": "off"}),
                               (f"{worker.url}/nocapture/v1", {})):
         evaluation = openai.OpenAI(base_url=base_url, api_key="unused", default_headers=headers, max_retries=0)
-        assert evaluation.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4).choices
+        greedy = [evaluation.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                     logprobs=True).choices[0] for _ in range(2)]
+        assert greedy[0].message.content == greedy[1].message.content
+        assert [t.logprob for t in greedy[0].logprobs.content] == [t.logprob for t in greedy[1].logprobs.content]
     client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", default_headers=HEADERS,
                            max_retries=0, timeout=60)
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
@@ -48,6 +53,7 @@ def test_openai_client_answers_are_captured_with_token_ids(settings, start_worke
         decoded = tok.decode(llm["response_token_ids"], skip_special_tokens=True)
         assert len(llm["response_logprobs"]) == len(llm["response_token_ids"]) > 0
         assert key == span["rollout_id"].encode() and llm["policy_version"] == 0 and llm["model"] == "tiny"
+        assert llm["temperature"] == 1.0  # asked 0.8, 0.8 and 0: sampled, and scored, at the worker's
         got.setdefault(span["rollout_id"], []).append((decoded, span))
     assert sorted(d for d, _ in got["roll-1"]) == sorted([text, streamed])
     assert all(s["attempt_id"] == "task-1:0" and s["task_id"] == "task-1" for _, s in got["roll-1"])

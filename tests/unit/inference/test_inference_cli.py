@@ -67,6 +67,15 @@ def test_prefix_cache_budget_flag_env_default_and_refusal() -> None:
         _cfg(["--prefix-cache-mib", "-1"])
 
 
+def test_rollout_temperature_flag_env_and_refusal() -> None:
+    assert _cfg([]).rollout_temperature is None
+    assert _cfg(["--rollout-temperature", "1.0"]).rollout_temperature == 1.0
+    assert _cfg([], env={"BOLTSTREAM_SERVE_ROLLOUT_TEMPERATURE": "0.9"}).rollout_temperature == 0.9
+    for bad in ("0", "-1", "3", "nan"):
+        with pytest.raises(ConfigError, match="rollout_temperature.*must be in \\(0, 2\\]"):
+            _cfg(["--rollout-temperature", bad])
+
+
 def test_dtype_flag_env_and_refusal() -> None:
     assert _cfg([]).dtype is None and _cfg(["--dtype", "auto"]).dtype == "auto"
     assert _cfg([], env={"BOLTSTREAM_SERVE_DTYPE": "bfloat16"}).dtype == "bfloat16"

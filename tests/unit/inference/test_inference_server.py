@@ -152,3 +152,21 @@ def test_models_health_metrics(client: TestClient, chat) -> None:
     assert 'boltstream_inference_requests_total{endpoint="chat",status="200"} 1.0' in metrics
     assert 'boltstream_inference_policy_version{model="tiny"} 0.0' in metrics
     assert "boltstream_inference_completion_tokens_total 8.0" in metrics
+
+
+def test_captured_calls_sample_at_the_rollout_temperature_and_evaluations_at_their_own(
+        backend: Any, sink: MemorySpanSink, chat) -> None:
+    from boltstream.inference.server import create_app
+
+    app = create_app(backend, sink=sink, served_names=("tiny",), default_max_tokens=12, rollout_temperature=1.0)
+    greedy = chat(n=3, temperature=0, logprobs=True)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        evaluation = client.post("/nocapture/v1/chat/completions", json=greedy).json()
+        rollout = client.post("/v1/chat/completions", json=greedy, headers=ROLLOUT).json()
+    # not captured: greedy as asked, three times the same answer; captured: sampled at 1.0, and said so
+    assert len({c["message"]["content"] for c in evaluation["choices"]}) == 1
+    assert len({c["message"]["content"] for c in rollout["choices"]}) > 1
+    assert [s["llm"]["temperature"] for s in sink.spans] == [1.0] * 3
+    for choice, span in zip(rollout["choices"], sink.spans, strict=True):
+        assert [t["logprob"] for t in choice["logprobs"]["content"]] == pytest.approx(
+            span["llm"]["response_logprobs"].tolist(), rel=1e-6)
