@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from aiokafka import TopicPartition
 
 from boltstream.broker.kafka import log_end_offsets
@@ -25,14 +26,15 @@ def test_openai_client_answers_are_captured_with_token_ids(settings, start_worke
     """Captured calls sample at the worker's --rollout-temperature whatever they ask, evaluation calls at theirs."""
     worker = start_worker("--rollout-temperature", "1.0")
     # evaluation traffic (header or base-URL form) is served but never written to the log, and keeps its own
-    # sampling: greedy, it answers the same twice
+    # sampling: greedy, it answers the same twice (log-probs up to rounding: the second prefills from the cache)
     for base_url, headers in ((f"{worker.url}/v1", {**HEADERS, "X-Boltstream-Capture": "off"}),
                               (f"{worker.url}/nocapture/v1", {})):
         evaluation = openai.OpenAI(base_url=base_url, api_key="unused", default_headers=headers, max_retries=0)
         greedy = [evaluation.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
                                                      logprobs=True).choices[0] for _ in range(2)]
         assert greedy[0].message.content == greedy[1].message.content
-        assert [t.logprob for t in greedy[0].logprobs.content] == [t.logprob for t in greedy[1].logprobs.content]
+        assert [t.logprob for t in greedy[0].logprobs.content] == pytest.approx(
+            [t.logprob for t in greedy[1].logprobs.content], abs=1e-4)
     client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", default_headers=HEADERS,
                            max_retries=0, timeout=60)
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=7)
