@@ -6,8 +6,8 @@ Shared with boltstream, each read from boltstream's own config so the two cannot
 learning rate with a warm-up over the same number of steps and then a constant rate, samples a step
 (groups a step x group size, every group one task), the PPO clip range (DAPO's asymmetric one),
 token-mean loss, no KL term, no std scaling of the advantages, the training temperature, the agent's token
-limit, and held-out scoring at the agent's own temperature: every test task as often as the suite says, each reply scored by the agent's own
-``reward``. Not shared: TRL generates with ``model.generate`` in its own process, boltstream with its
+limit, and held-out scoring at the agent's own temperature: every test task as often as the suite says,
+each reply scored by the agent's own ``reward``. Not shared: TRL generates with ``model.generate`` in its own process, boltstream with its
 inference worker.
 """
 
