@@ -30,6 +30,11 @@ BACKENDS = ("transformers", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def valid_rollout_temperature(t: float) -> bool:
+    """(0, 2]: what the API accepts, less greedy (every attempt of a task would answer alike)."""
+    return 0.0 < t <= 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """Everything ``boltstream serve`` needs; see ``boltstream serve --help``."""
@@ -108,7 +113,7 @@ class ServeConfig:
             raise ConfigError("prefix_cache_mib", self.prefix_cache_mib, "must be >= 0 (0: no prefix cache)")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens", self.default_max_tokens, "must be >= 1")
-        if self.rollout_temperature is not None and not 0.0 < self.rollout_temperature <= 2.0:
+        if self.rollout_temperature is not None and not valid_rollout_temperature(self.rollout_temperature):
             raise ConfigError("rollout_temperature", self.rollout_temperature, "must be in (0, 2] (a training "
                               "rollout explores: a greedy one gives every attempt of a task the same answer)")
         if self.api_key_file is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from boltstream.config import Settings, load, to_argv
 from boltstream.errors import BoltstreamError
-from boltstream.inference.cli import ServeConfig
+from boltstream.inference.cli import ServeConfig, valid_rollout_temperature
 from boltstream.learner.cli import parser as learner_parser
 from boltstream.learner.config import LearnerConfig
 from boltstream.learner.roles import Role, parse_role
@@ -86,9 +86,8 @@ class PipelineConfig:
     # run (docs/learner.md, Defaults).
     serve_dtype: str | None = "float32"
     # The temperature every training rollout's calls sample at (the worker's ``--rollout-temperature``;
-    # None: each call's own). Held-out evaluations sample at the agent's own. At the calculator's 0.7
-    # half to three quarters of its groups scored alike late in a run and one seed of two gained +0.109;
-    # at 1.0 the demo's seeds all learn (docs/learner.md, Defaults).
+    # None: each call's own). Held-out evaluations sample at the agent's own. At the calculator's 0.7 one
+    # seed of two gained +0.109, up to 75 % of its groups alike; at 1.0 both learned (docs/learner.md, Defaults).
     train_temperature: float | None = TRAIN_TEMPERATURE
     # Partitions per topic of the embedded stack (None: the stack's default). With one, the runner takes
     # the tasks in the training file's order.
@@ -120,7 +119,7 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BoltstreamError(f"{name} must be >= 1, got {value}")
-        if self.train_temperature is not None and not 0.0 < self.train_temperature <= 2.0:
+        if self.train_temperature is not None and not valid_rollout_temperature(self.train_temperature):
             raise BoltstreamError(f"--train-temperature must be in (0, 2] or 'agent', got {self.train_temperature}")
         for name in ("train", "test"):
             if not Path(getattr(self, name)).is_file():
